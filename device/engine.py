@@ -1,0 +1,163 @@
+"""`Engine`: the public face of the runtime. Load a bundle, then synthesize, stream or batch."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+from pydub import AudioSegment
+
+from device import text as textmod
+from device.audio import to_segment
+from device.bundle import Bundle
+from device.errors import BundleError, InputError, UnknownVoiceError
+from device.pipeline import SPEED_RANGE, Pipeline, Request, Unit
+from device.sessions import SessionConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """Limits of one batched call: text length per item, items per model call, and the queue wait."""
+    max_text_len: int = 2000
+    batch_max: int = 8
+    timeout: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_text_len < 1 or self.batch_max < 1 or self.timeout < 0:
+            raise InputError("BatchOptions: max_text_len and batch_max must be >= 1 and timeout >= 0")
+
+
+def _load_pipeline(bundle: Bundle, precision: str, sessions: SessionConfig) -> Pipeline:
+    family = bundle.manifest.family
+    if family == "vits":
+        from device.vits import VitsPipeline
+        return VitsPipeline(bundle, precision, sessions)
+    raise BundleError(f"bundle {bundle.root.name!r}: family {family!r} is not supported by this runtime yet")
+
+
+class Engine:
+    """One loaded bundle. Thread-safe: requests share only read-only state and ORT sessions."""
+
+    def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, options: BatchOptions) -> None:
+        self.bundle = bundle
+        self.pipeline = pipeline
+        self.precision = precision
+        self.options = options
+
+    @classmethod
+    def load(cls, bundle_path: Path | str | None = None, precision: str = "auto",
+             sessions: SessionConfig | None = None, options: BatchOptions | None = None,
+             warmup: bool = True) -> "Engine":
+        """Validate the bundle, create the ORT sessions once, and warm them up.
+
+        With no `bundle_path`, the embedded default voice is used (built offline on first use).
+        """
+        if bundle_path is None:
+            from device.default_voice import default_bundle
+            bundle_path = default_bundle()
+        manifest_only = Bundle.load(bundle_path, verify=False)
+        chosen = manifest_only.manifest.default_precision if precision == "auto" else precision
+        bundle = Bundle.load(bundle_path, precision=chosen)
+        engine = cls(bundle, _load_pipeline(bundle, chosen, sessions or SessionConfig.from_env()), chosen,
+                     options or BatchOptions())
+        if warmup:
+            engine.warmup()
+        return engine
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def sample_rate(self) -> int:
+        return self.pipeline.sample_rate
+
+    def voices(self) -> list[str]:
+        return self.pipeline.voices()
+
+    def warmup(self) -> float:
+        """One short synthesis so the first real request does not pay for lazy ORT initialisation."""
+        start = time.perf_counter()
+        self.synthesize("Hello.", deterministic=True)
+        elapsed = time.perf_counter() - start
+        log.info("warm-up took %.2f s", elapsed)
+        return elapsed
+
+    # -- request validation -----------------------------------------------------------------
+    def request(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,
+                seed: int | None = None, sampling: str = "default") -> Request:
+        """Validate per-request options once; the result is immutable and private to the request."""
+        voices = self.voices()
+        if voice is None or voice == "":
+            name = voices[0]
+        elif isinstance(voice, bool):
+            raise UnknownVoiceError("voice must be a name or a numeric speaker id")
+        elif isinstance(voice, int) or (isinstance(voice, str) and voice.isdigit()):
+            index = int(voice)
+            if index < 0:
+                raise UnknownVoiceError(f"speaker id {index} is negative")
+            name = voices[index % len(voices)]
+        elif voice in voices:
+            name = voice
+        else:
+            raise UnknownVoiceError(f"unknown voice {str(voice)[:64]!r}; available: {', '.join(voices[:20])}")
+        try:
+            speed = float(speed)
+        except (TypeError, ValueError):
+            raise InputError("speed must be a number") from None
+        if not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1] or speed != speed:
+            raise InputError(f"speed {speed} is out of range {SPEED_RANGE[0]}-{SPEED_RANGE[1]}")
+        if sampling not in ("default", "greedy"):
+            raise InputError(f"unknown sampling {sampling!r}; choose default or greedy")
+        return Request(voice=name, speed=speed, deterministic=deterministic, seed=seed, sampling=sampling)
+
+    def units(self, text: object) -> list[Unit]:
+        return self.pipeline.units(textmod.validate(text, self.options.max_text_len))
+
+    # -- synthesis --------------------------------------------------------------------------
+    def synthesize_array(self, text: str, **request_options) -> np.ndarray:
+        request = self.request(**request_options)
+        units = self.units(text)
+        return np.concatenate(self.pipeline.render(units, request))
+
+    def synthesize(self, text: str, voice: str | int | None = None, speed: float = 1.0, **request_options) -> AudioSegment:
+        """The whole text as one AudioSegment at the bundle's sample rate."""
+        return to_segment(self.synthesize_array(text, voice=voice, speed=speed, **request_options), self.sample_rate)
+
+    def stream(self, text: str, voice: str | int | None = None, speed: float = 1.0, **request_options) -> Iterator[np.ndarray]:
+        """float32 chunks, each yielded as soon as it is made (a sentence for VITS)."""
+        request = self.request(voice=voice, speed=speed, **request_options)
+        for unit in self.units(text):
+            yield from self.pipeline.stream(unit, request)
+
+    def render_requests(self, jobs: Sequence[tuple[list[Unit], Request]]) -> list[np.ndarray]:
+        """Several validated requests at once: units of equal request options run as one batch.
+
+        This is what the API's batch queue calls; results come back in job order.
+        """
+        flat: list[tuple[int, Unit, Request]] = [(j, unit, req) for j, (units, req) in enumerate(jobs) for unit in units]
+        rendered: dict[int, np.ndarray] = {}
+        groups: dict[Request, list[int]] = {}
+        for index, (_, _, req) in enumerate(flat):
+            groups.setdefault(req, []).append(index)
+        for req, indices in groups.items():
+            indices.sort(key=lambda i: len(flat[i][1].ids))  # similar lengths pad less
+            for start in range(0, len(indices), self.options.batch_max):
+                chunk = indices[start:start + self.options.batch_max]
+                for index, wave in zip(chunk, self.pipeline.render([flat[i][1] for i in chunk], req)):
+                    rendered[index] = wave
+        per_job: list[list[np.ndarray]] = [[] for _ in jobs]
+        for index, (job, _, _) in enumerate(flat):
+            per_job[job].append(rendered[index])
+        return [np.concatenate(parts) if parts else np.zeros(0, np.float32) for parts in per_job]
+
+    def synthesize_batch(self, texts: Sequence[str], options: BatchOptions | None = None,
+                         voice: str | int | None = None, speed: float = 1.0, **request_options) -> list[AudioSegment]:
+        """Many texts, batched across texts; the list comes back in input order."""
+        options = options or self.options
+        request = self.request(voice=voice, speed=speed, **request_options)
+        jobs = [(self.pipeline.units(textmod.validate(t, options.max_text_len)), request) for t in texts]
+        engine = self if options == self.options else Engine(self.bundle, self.pipeline, self.precision, options)
+        return [to_segment(wave, self.sample_rate) for wave in engine.render_requests(jobs)]

@@ -1,0 +1,52 @@
+"""The one interface every model family implements, and the per-request options it receives.
+
+The engine turns text into a list of units (one per sentence or segment); a pipeline renders
+units into waveforms. Per-request state lives in `Request` and in local variables, never on the
+pipeline: pipelines are shared by every request thread.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, Sequence
+
+import numpy as np
+
+SPEED_RANGE = (0.25, 4.0)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one synthesis call asked for, after validation."""
+    voice: str
+    speed: float = 1.0
+    deterministic: bool = False
+    seed: int | None = None
+    sampling: str = "default"  # "default" (the release's sampler) or "greedy"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A model-ready piece of text: the sentence and its token ids (phoneme ids, BPE ids, ...)."""
+    text: str
+    ids: tuple[int, ...]
+
+
+class Pipeline(Protocol):
+    """A model family behind the engine: vits, cosyvoice2, cosyvoice3."""
+
+    sample_rate: int
+
+    def voices(self) -> list[str]:
+        """Voice names in a stable order (numeric speaker ids index into it)."""
+
+    def units(self, text: str) -> list[Unit]:
+        """Normalised text -> units; InputError if nothing is left to say."""
+
+    def render(self, units: Sequence[Unit], request: Request) -> list[np.ndarray]:
+        """Units of one request or of several compatible requests -> one float32 waveform each."""
+
+    def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:
+        """Waveform chunks of one unit, each yielded as soon as it exists."""
+
+    def describe(self) -> dict[str, Any]:
+        """Precision per stage, providers, sizes: for `cosyedge info` and the bench."""

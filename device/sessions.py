@@ -1,0 +1,80 @@
+"""ONNX Runtime sessions: provider choice with fallback, thread counts, one session per graph."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+from device.errors import ProviderError
+
+log = logging.getLogger(__name__)
+
+PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Which execution providers to try, in order, and how many threads ORT may use."""
+    providers: tuple[str, ...] = ("tensorrt", "cuda", "cpu")
+    intra_op_threads: int = 0  # 0 = ORT's default (one per physical core)
+    inter_op_threads: int = 1
+    trt_cache_dir: Path | None = None
+    trt_fp16: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.providers if p not in PROVIDER_NAMES]
+        if unknown or not self.providers:
+            raise ProviderError(f"unknown execution provider(s) {unknown}; choose from {', '.join(PROVIDER_NAMES)}")
+        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
+            raise ProviderError("thread counts must be >= 0")
+
+    @classmethod
+    def from_env(cls) -> "SessionConfig":
+        """`COSYEDGE_PROVIDERS=cuda,cpu`, `COSYEDGE_THREADS=2`, `COSYEDGE_TRT_CACHE=/var/lib/cosyedge/trt`."""
+        providers = tuple(p.strip() for p in os.environ.get("COSYEDGE_PROVIDERS", "tensorrt,cuda,cpu").split(",") if p.strip())
+        cache = os.environ.get("COSYEDGE_TRT_CACHE")
+        return cls(providers=providers, intra_op_threads=int(os.environ.get("COSYEDGE_THREADS", "0")),
+                   trt_cache_dir=Path(cache) if cache else None)
+
+    def resolved_providers(self) -> list[str | tuple[str, dict]]:
+        """The configured providers that this onnxruntime build offers, with a warning for each missing one."""
+        available = set(ort.get_available_providers())
+        chosen: list[str | tuple[str, dict]] = []
+        for short in self.providers:
+            name = PROVIDER_NAMES[short]
+            if name not in available:
+                if short != "cpu":
+                    log.warning("execution provider %s is not available in this onnxruntime build; falling back", short)
+                continue
+            if short == "tensorrt":
+                options: dict[str, object] = {"trt_fp16_enable": self.trt_fp16}
+                if self.trt_cache_dir is not None:
+                    options |= {"trt_engine_cache_enable": True, "trt_engine_cache_path": str(self.trt_cache_dir),
+                                "trt_timing_cache_enable": True, "trt_timing_cache_path": str(self.trt_cache_dir)}
+                chosen.append((name, options))
+            else:
+                chosen.append(name)
+        if not chosen:
+            raise ProviderError(f"none of the configured providers ({', '.join(self.providers)}) is available; "
+                                "add 'cpu' to COSYEDGE_PROVIDERS")
+        return chosen
+
+
+def create_session(path: Path, config: SessionConfig) -> ort.InferenceSession:
+    """One InferenceSession for one graph; created once per engine and reused by every request."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = config.intra_op_threads
+    options.inter_op_num_threads = config.inter_op_threads
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    providers = config.resolved_providers()
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own untyped errors
+        raise ProviderError(f"cannot create an ONNX Runtime session for {path.name}: {type(exc).__name__}") from None
+    wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
+    if session.get_providers()[0] != wanted:
+        log.warning("%s runs on %s instead of %s", path.name, session.get_providers()[0], wanted)
+    return session

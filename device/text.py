@@ -1,0 +1,51 @@
+"""Text -> normalised text and sentences, shared by every model family.
+
+Emoji, control characters and other symbols nobody can pronounce are removed here, so that no
+model ever sees them; text left with nothing to say is an InputError.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from device.errors import InputError
+
+_KEEP_CATEGORIES = ("L", "N", "P", "Zs", "M")  # letters, numbers, punctuation, spaces, combining marks
+_KEEP_SYMBOLS = set("$%&+=@#€£¥°/\\<>")
+_SENTENCE_END = re.compile(r"(?<=[.!?。！？…])\s+|(?<=[。！？])")
+_SPACES = re.compile(r"\s+")
+
+
+def normalize(text: str) -> str:
+    """NFKC, symbols and emoji dropped, whitespace collapsed."""
+    text = unicodedata.normalize("NFKC", text)
+    kept = []
+    for char in text:
+        category = unicodedata.category(char)
+        if char in "\n\t\r":
+            kept.append(" ")
+        elif category.startswith(_KEEP_CATEGORIES) or char in _KEEP_SYMBOLS:
+            kept.append(char)
+        else:
+            kept.append(" ")
+    return _SPACES.sub(" ", "".join(kept)).strip()
+
+
+def validate(text: object, max_chars: int) -> str:
+    """The request text, normalised; InputError for anything that cannot be spoken."""
+    if not isinstance(text, str):
+        raise InputError("text must be a string")
+    if not text.strip():
+        raise InputError("text is empty")
+    if len(text) > max_chars:
+        raise InputError(f"text has {len(text)} characters; the limit is {max_chars}: split it into several requests")
+    clean = normalize(text)
+    if not any(unicodedata.category(c).startswith(("L", "N")) for c in clean):
+        raise InputError("text contains nothing speakable (only punctuation, symbols or emoji)")
+    return clean
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of normalised text; each one is a streaming chunk and a batch item."""
+    parts = (p.strip() for p in _SENTENCE_END.split(text))
+    return [p for p in parts if p and any(unicodedata.category(c).startswith(("L", "N")) for c in p)]

@@ -1,0 +1,80 @@
+"""VITS (Piper) voices: normalised text -> espeak-ng phonemes -> phoneme ids -> waveform.
+
+Phonemisation uses the espeak-ng build bundled with `piper-tts` (GPL-3.0). The bundle's graph has
+an extra `frames` output (mel frames per item) so padded batches can be cut back to each item's
+true length.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from device.bundle import Bundle
+from device.errors import InputError
+from device.pipeline import Request, Unit
+from device.sessions import SessionConfig, create_session
+
+
+class VitsPipeline:
+    """One Piper voice model; phonemiser and session shared, per-request values passed in."""
+
+    def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
+        from piper.phoneme_ids import phonemes_to_ids
+        from piper.phonemize_espeak import EspeakPhonemizer
+
+        cfg = bundle.manifest.config
+        self.sample_rate = bundle.manifest.sample_rate
+        self._voices = list(bundle.manifest.voices)
+        self._speaker_ids = {name: index for index, name in enumerate(self._voices)}
+        self._espeak_voice = cfg["espeak_voice"]
+        self._scales = (float(cfg["noise_scale"]), float(cfg["length_scale"]), float(cfg["noise_w"]))
+        self._hop = int(cfg["hop_length"])
+        self._id_map = json.loads(bundle.asset("phoneme_id_map").read_text(encoding="utf-8"))
+        self._phonemes_to_ids = phonemes_to_ids
+        self._phonemizer = EspeakPhonemizer()
+        self._espeak_lock = threading.Lock()  # espeak-ng keeps global state: one caller at a time
+        component = bundle.component("vits", precision)
+        self._session = create_session(bundle.path(component.file), sessions)
+        self._has_sid = any(i.name == "sid" for i in self._session.get_inputs())
+        self._precision = precision
+
+    def voices(self) -> list[str]:
+        return list(self._voices)
+
+    def units(self, text: str) -> list[Unit]:
+        with self._espeak_lock:
+            sentences = self._phonemizer.phonemize(self._espeak_voice, text)
+        units = []
+        for phonemes in sentences:
+            if not any(p.isalpha() for p in phonemes):
+                continue
+            ids = self._phonemes_to_ids(phonemes, self._id_map)
+            units.append(Unit(text="".join(phonemes), ids=tuple(ids)))
+        if not units:
+            raise InputError("text contains nothing speakable for this voice")
+        return units
+
+    def render(self, units: Sequence[Unit], request: Request) -> list[np.ndarray]:
+        lengths = np.array([len(u.ids) for u in units], dtype=np.int64)
+        ids = np.zeros((len(units), int(lengths.max())), dtype=np.int64)
+        for row, unit in enumerate(units):
+            ids[row, : len(unit.ids)] = unit.ids
+        noise, length, noise_w = self._scales
+        if request.deterministic:
+            noise, noise_w = 0.0, 0.0
+        feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths,
+                                        "scales": np.array([noise, length / request.speed, noise_w], dtype=np.float32)}
+        if self._has_sid:
+            feeds["sid"] = np.full(len(units), self._speaker_ids.get(request.voice, 0), dtype=np.int64)
+        audio, frames = self._session.run(["output", "frames"], feeds)
+        samples = np.asarray(frames).reshape(-1).astype(np.int64) * self._hop
+        return [audio[row].reshape(-1)[: samples[row]].astype(np.float32) for row in range(len(units))]
+
+    def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:
+        yield self.render([unit], request)[0]
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": "vits", "precision": {"vits": self._precision}, "providers": self._session.get_providers()}

@@ -1,0 +1,165 @@
+"""Piper voice (ONNX + JSON) -> `vits` bundle with fp32 and int8 graphs and a measured quality report.
+
+Torch-free on purpose: the device builds the default voice's bundle itself on first use. The
+int8 graph quantizes the flow and the decoder (dynamic int8 weights) but keeps the text encoder
+and the duration predictor in fp32, so both precisions produce the same phoneme durations and
+can be compared frame by frame.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from device.bundle import MANIFEST, Asset, Bundle, Component, Manifest, TensorSpec, sha256_file
+from device.errors import ReleaseError
+
+log = logging.getLogger(__name__)
+
+TOOL_VERSION = "cosyedge-quantize 0.1.0"
+QUALITY_SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Please stand behind the yellow line while the train arrives.",
+    "Your order number is four hundred and twelve.",
+    "Welcome! How can I help you today?",
+)
+MCD_GATE_DB = 2.0  # int8 is only the default precision when it is faster and stays below this MCD
+
+
+def _frames_tensor(model: onnx.ModelProto) -> str:
+    """The ReduceSum over ceil'd durations: the number of output frames per batch item."""
+    ceil_outputs = {out for node in model.graph.node if node.op_type == "Ceil" for out in node.output}
+    for node in model.graph.node:
+        if node.op_type == "ReduceSum" and node.input[0] in ceil_outputs:
+            return node.output[0]
+    raise ReleaseError("voice model: no duration (Ceil -> ReduceSum) tensor found; not a Piper VITS export")
+
+
+def _specs(values) -> tuple[TensorSpec, ...]:
+    specs = []
+    for value in values:
+        tensor = value.type.tensor_type
+        shape = tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)
+        specs.append(TensorSpec(value.name, onnx.TensorProto.DataType.Name(tensor.elem_type).lower(), shape))
+    return tuple(specs)
+
+
+def _write_fp32(model_path: Path, out: Path) -> onnx.ModelProto:
+    try:
+        model = onnx.load(str(model_path))
+    except Exception as exc:  # noqa: BLE001
+        raise ReleaseError(f"{model_path.name}: not a readable ONNX model ({type(exc).__name__})") from None
+    frames = _frames_tensor(model)
+    model.graph.node.append(onnx.helper.make_node("Identity", [frames], ["frames"], name="cosyedge_frames"))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("frames", onnx.TensorProto.FLOAT, ["batch_size"]))
+    onnx.save(model, str(out))
+    return model
+
+
+def _write_int8(fp32_path: Path, model: onnx.ModelProto, out: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    keep_fp32 = [n.name for n in model.graph.node if n.name.startswith(("/enc_p/", "/dp/"))]
+    quantize_dynamic(str(fp32_path), str(out), weight_type=QuantType.QInt8, nodes_to_exclude=keep_fp32,
+                     op_types_to_quantize=["MatMul", "Conv"])
+
+
+def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: bool = True) -> Path:
+    """Write a complete bundle to `out` (atomically: a half-built bundle never has a manifest)."""
+    model_path, config_path, out = Path(model_path), Path(config_path), Path(out)
+    try:
+        voice = json.loads(config_path.read_text(encoding="utf-8"))
+        espeak_voice = voice["espeak"]["voice"]
+        sample_rate = int(voice["audio"]["sample_rate"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ReleaseError(f"{config_path.name}: not a Piper voice config ({type(exc).__name__}: {exc})") from None
+    if voice.get("phoneme_type", "espeak") != "espeak":
+        raise ReleaseError(f"{config_path.name}: phoneme_type {voice.get('phoneme_type')!r} is not supported (espeak only)")
+
+    work = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    started = time.perf_counter()
+    model = _write_fp32(model_path, work / "vits.fp32.onnx")
+    _write_int8(work / "vits.fp32.onnx", model, work / "vits.int8.onnx")
+    (work / "phoneme_id_map.json").write_text(json.dumps(voice["phoneme_id_map"], ensure_ascii=False), encoding="utf-8")
+
+    graph = onnx.load(str(work / "vits.fp32.onnx"), load_external_data=False).graph
+    components = tuple(Component("vits", precision, f"vits.{precision}.onnx", sha256_file(work / f"vits.{precision}.onnx"),
+                                 _specs(graph.input), _specs(graph.output)) for precision in ("fp32", "int8"))
+    speakers = sorted(voice.get("speaker_id_map", {}), key=voice.get("speaker_id_map", {}).get) or [voice.get("dataset", "default")]
+    inference = voice.get("inference", {})
+    manifest = Manifest(
+        family="vits", name=f"piper-{voice.get('language', {}).get('code', 'xx')}-{voice.get('dataset', model_path.stem)}",
+        sample_rate=sample_rate, components=components,
+        assets=(Asset("phoneme_id_map", "phoneme_id_map.json", sha256_file(work / "phoneme_id_map.json")),),
+        voices=tuple(speakers), default_precision="fp32",
+        config={"espeak_voice": espeak_voice, "noise_scale": inference.get("noise_scale", 0.667),
+                "length_scale": inference.get("length_scale", 1.0), "noise_w": inference.get("noise_w", 0.8),
+                "hop_length": 256},
+        provenance={"source_model": model_path.name, "source_model_sha256": sha256_file(model_path),
+                    "source_config": config_path.name, "source_config_sha256": sha256_file(config_path),
+                    "tool_version": TOOL_VERSION, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "int8_method": "onnxruntime dynamic int8 weights (MatMul, Conv) in flow and decoder; "
+                                   "text encoder and duration predictor fp32"},
+    )
+    (work / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
+    if measure:
+        manifest = replace(manifest, **_measure(work))
+        (work / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
+    log.info("built %s in %.1f s", out.name, time.perf_counter() - started)
+    if out.exists():
+        shutil.rmtree(out)
+    work.rename(out)
+    return out
+
+
+def _measure(root: Path) -> dict:
+    """Quality of int8 against fp32 on fixed sentences, and which precision is faster here."""
+    from device.engine import Engine
+    from device.sessions import SessionConfig
+    from quantize.quality import SpeakerSimilarity, mel_cepstral_distortion, snr_db
+
+    sessions = SessionConfig(providers=("cpu",))
+    engines = {p: Engine.load(root, precision=p, sessions=sessions) for p in ("fp32", "int8")}
+    similarity = SpeakerSimilarity()
+    compute = {p: 0.0 for p in engines}
+    audio_s = 0.0
+    rows = []
+    for sentence in QUALITY_SENTENCES:
+        waves = {}
+        for precision, engine in engines.items():  # interleaved, so machine noise hits both alike
+            start = time.perf_counter()
+            waves[precision] = engine.synthesize_array(sentence, deterministic=True)
+            compute[precision] += time.perf_counter() - start
+        audio_s += waves["fp32"].size / engines["fp32"].sample_rate
+        ref, test = waves["fp32"], waves["int8"]
+        row = {"text": sentence, "samples_fp32": int(ref.size), "samples_int8": int(test.size),
+               "mcd_db": round(mel_cepstral_distortion(ref, test, engines["fp32"].sample_rate), 3),
+               "snr_db": round(snr_db(ref, test), 2)}
+        if similarity.available:
+            row["speaker_cosine"] = round(similarity(ref, test, engines["fp32"].sample_rate), 4)
+        rows.append(row)
+    rtf = {p: round(compute[p] / audio_s, 4) for p in compute}
+    mcd = float(np.mean([r["mcd_db"] for r in rows]))
+    int8_ok = mcd <= MCD_GATE_DB and all(r["samples_fp32"] == r["samples_int8"] for r in rows)
+    default = "int8" if int8_ok and rtf["int8"] < rtf["fp32"] else "fp32"
+    quality = {
+        "reference": "fp32", "method": "same text, noise scales 0, same phoneme durations; MCD over c1..c24 (dB)",
+        "gate": {"mcd_db_max": MCD_GATE_DB}, "int8": {"mean_mcd_db": round(mcd, 3), "passed": int8_ok, "sentences": rows},
+        "speaker_similarity": "resemblyzer cosine" if similarity.available else similarity.reason,
+        "rtf_cpu": rtf, "default_precision_reason": f"{default}: "
+        + ("int8 passed its gate and was faster" if default == "int8" else
+           "int8 " + ("missed its quality gate" if not int8_ok else "was not faster than fp32 on this CPU")),
+    }
+    if similarity.available:
+        quality["int8"]["mean_speaker_cosine"] = round(float(np.mean([r["speaker_cosine"] for r in rows])), 4)
+    return {"quality": quality, "default_precision": default}
