@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", action="store_true", help="skip the piper-tts reference runner")
     p.add_argument("--json", help="write the report to this file")
     p.set_defaults(func=cmd_bench)
+
+    from api.cli import register as register_api_commands  # `serve` and friends live with the API
+    register_api_commands(sub)
     return parser
 
 

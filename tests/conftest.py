@@ -1,0 +1,40 @@
+"""Fixtures shared by every test package: the real default voice bundle, built once per run."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    path = SHARED / "golden"
+    if not path.is_dir():
+        pytest.fail(f"golden data missing: expected {path} (shared/ beside the repository)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cosyedge_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private state directory, so tests never touch the user's bundles."""
+    home = tmp_path_factory.mktemp("cosyedge_home")
+    os.environ["COSYEDGE_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def default_bundle_path(cosyedge_home: Path) -> Path:
+    """The embedded default voice, built the way a fresh box builds it on first use."""
+    from device.default_voice import default_bundle
+    return default_bundle()
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_bundle_path: Path):
+    from device.engine import Engine
+    from device.sessions import SessionConfig
+    return Engine.load(default_bundle_path, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
