@@ -322,8 +322,8 @@ class Qwen2LM(nn.Module):
             values.append(v)
 
         # last new position whose mask is 1 (right or left padding alike)
-        new_mask = attention_mask[:, past:]
-        last = (new_mask * torch.arange(n, device=new_mask.device)).argmax(dim=1)
+        new_mask = attention_mask[:, past:].to(torch.float32)  # float ArgMax: supported by every execution provider
+        last = (new_mask * torch.arange(n, device=new_mask.device, dtype=torch.float32)).argmax(dim=1)
         h = torch.gather(x, 1, last.reshape(-1, 1, 1).expand(-1, 1, x.shape[2])).reshape(-1, x.shape[2])
         logits = self.llm_decoder(self.body.norm(h))
         c = self.config.qwen
