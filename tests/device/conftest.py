@@ -1,4 +1,4 @@
-"""Shared fixtures of the device (runtime) tests: the golden data lives in shared/ next to the repository."""
+"""Fixtures of the device (runtime) tests; `golden_dir` comes from tests/conftest.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,13 +7,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def golden_dir() -> Path:
-    path = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
-    if not path.is_dir():
-        pytest.skip(f"golden data not found at {path}")
-    return path
-
-
-@pytest.fixture(scope="session")
 def cv2_tiny_dir(golden_dir: Path) -> Path:
+    """The tiny random-weight CosyVoice2 release and its official golden vectors."""
     return golden_dir / "cosyvoice2-tiny"
