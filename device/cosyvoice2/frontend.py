@@ -162,21 +162,19 @@ def _split_paragraph(text: str, length: Callable[[str], int], zh: bool) -> list[
 
 def _spell_out_numbers(text: str) -> str:
     """Replace every run of digit characters (str.isdigit) by English words, as inflect's number_to_words does."""
-    return "".join(_digit_runs_to_words(text))
-
-
-def _digit_runs_to_words(text: str):
-    run_start = None
-    for i, char in enumerate(text + "\0"):
-        if char.isdigit() and i < len(text):
-            if run_start is None:
-                run_start = i
+    out: list[str] = []
+    run: list[str] = []
+    for char in text:
+        if char.isdigit():
+            run.append(char)
             continue
-        if run_start is not None:
-            yield _number_to_words(text[run_start:i])
-            run_start = None
-        if i < len(text):
-            yield char
+        if run:
+            out.append(_number_to_words("".join(run)))
+            run = []
+        out.append(char)
+    if run:
+        out.append(_number_to_words("".join(run)))
+    return "".join(out)
 
 
 def _number_to_words(digits: str) -> str:
