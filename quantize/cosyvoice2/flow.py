@@ -565,10 +565,15 @@ class CausalMaskedDiffWithXvec(nn.Module):
             token = torch.cat([token, torch.zeros(1, k, dtype=torch.int64)], dim=1)
         flags = torch.tensor([int(finalize)]), torch.tensor([int(streaming)])
         mu, spks = self.encode(token, embedding, *flags)
-        prompt_frames = prompt_feat.shape[1]
-        cond = torch.zeros_like(mu)
-        cond[:, :, :prompt_frames] = prompt_feat.transpose(1, 2)
-        return self.solve(mu, spks, cond, noise, flags[1])[:, :, prompt_frames:]
+        cond = prompt_condition(prompt_feat, mu.shape[2])
+        return self.solve(mu, spks, cond, noise, flags[1])[:, :, prompt_feat.shape[1]:]
+
+
+def prompt_condition(prompt_feat: torch.Tensor, frames: int) -> torch.Tensor:
+    """CFM `cond` [1, M, frames]: the prompt mel [1, F, M] transposed into the first F frames, zeros after."""
+    cond = torch.zeros(1, prompt_feat.shape[2], frames, dtype=torch.float32)
+    cond[:, :, :prompt_feat.shape[1]] = prompt_feat.transpose(1, 2)
+    return cond
 
 
 def build_flow_random(hparams: dict[str, Any]) -> CausalMaskedDiffWithXvec:
@@ -658,6 +663,8 @@ def export_flow(module: CausalMaskedDiffWithXvec, out_dir: Path) -> dict[str, Pa
             torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET, input_names=inputs,
                               output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
         model = onnx.load(str(path))
+        if name == ENCODER_NAME:  # the tracer leaves mu's batch axis unnamed; it is 1
+            model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 1
         onnx.helper.set_model_props(model, graph_metadata(c))
         onnx.save(model, str(path))
         paths[name] = path
