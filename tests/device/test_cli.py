@@ -1,0 +1,147 @@
+"""The `cosyedge` command line, run as a user runs it (a subprocess), on the real default voice."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+
+from device.batchjob import DEAD_LETTER
+
+
+def cosyedge(*args: str, env_home: Path, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COSYEDGE_HOME": str(env_home), "COSYEDGE_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "device.cli", *args], input=stdin, capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def home(default_bundle_path: Path) -> Path:
+    return default_bundle_path.parents[1]
+
+
+def test_synth_writes_speech_whose_length_grows_with_text(home, tmp_path):
+    short, long = tmp_path / "short.wav", tmp_path / "long.wav"
+    assert cosyedge("synth", "Hello.", "-o", str(short), "--deterministic", env_home=home).returncode == 0
+    result = cosyedge("synth", "-", "-o", str(long), "--deterministic", env_home=home,
+                      stdin="Hello. This text is read from standard input and is much longer.")
+    assert result.returncode == 0, result.stderr
+    a, rate = sf.read(short)
+    b, _ = sf.read(long)
+    assert rate == 22050 and len(b) > 3 * len(a) and abs(b).max() > 0.05
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "flac", "opus"])
+def test_synth_formats_and_sample_rate(home, tmp_path, fmt):
+    out = tmp_path / f"x.{fmt}"
+    result = cosyedge("synth", "Format check.", "-o", str(out), "--sample-rate", "24000", env_home=home)
+    assert result.returncode == 0, result.stderr
+    from pydub import AudioSegment
+    decoded = AudioSegment.from_file(out, format="ogg" if fmt == "opus" else fmt)
+    assert decoded.duration_seconds > 0.4
+    assert decoded.frame_rate in (24000, 48000)  # opus decoders report 48 kHz
+
+
+@pytest.mark.parametrize("args, message", [
+    (["synth", "", "-o", "{tmp}/x.wav"], "text is empty"),
+    (["synth", "hi", "-o", "{tmp}/missing/x.wav"], "output directory 'missing' does not exist"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--speed", "9"], "speed 9.0 is out of range"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--voice", "nobody"], "unknown voice 'nobody'"),
+    (["synth", "hi", "-o", "{tmp}/x.xyz"], "unknown audio format 'xyz'"),
+    (["synth", "😀", "-o", "{tmp}/x.wav"], "nothing speakable"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--bundle", "{tmp}"], "has no manifest.json"),
+    (["info", "{tmp}/nothing"], "'nothing' not found"),
+])
+def test_cli_errors_are_one_clear_line(home, tmp_path, args, message):
+    result = cosyedge(*[a.format(tmp=tmp_path) for a in args], env_home=home)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and str(tmp_path) not in result.stderr
+
+
+def test_unwritable_output(home, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    result = cosyedge("synth", "hi", "-o", str(locked / "x.wav"), env_home=home)
+    locked.chmod(0o700)
+    if os.geteuid() == 0:  # root writes anywhere; the check still must not crash
+        assert result.returncode in (0, 2)
+    else:
+        assert result.returncode == 2 and "not writable" in result.stderr
+
+
+def test_voices_and_info(home, default_bundle_path):
+    voices = cosyedge("voices", env_home=home)
+    assert voices.returncode == 0 and voices.stdout.strip() == "0\tjoe"
+    info = cosyedge("info", str(default_bundle_path), "--verify", env_home=home)
+    assert info.returncode == 0
+    data = json.loads(info.stdout)
+    assert data["family"] == "vits" and data["verified"] is True
+
+
+def _lines(n: int) -> str:
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    return "\n".join(f"Line {i}: {words[i % 8]} and {words[(i * 3) % 8]} are here." for i in range(1, n + 1)) + "\n"
+
+
+def test_synth_batch_resumes_after_kill_and_dead_letters_bad_lines(home, tmp_path):
+    source = tmp_path / "book.txt"
+    lines = _lines(50).splitlines()
+    lines[9] = "😀 🎉"  # line 10 has nothing to say: it must land in the dead-letter file
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "COSYEDGE_HOME": str(home), "COSYEDGE_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "device.cli", "synth-batch", str(source), "--out-dir", str(out)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and len(list(out.glob("*.wav"))) < 20 and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = {p.name: p.stat().st_mtime_ns for p in out.glob("*.wav")}
+    assert 0 < len(first) < 50, "the job should have been killed halfway"
+
+    result = cosyedge("synth-batch", str(source), "--out-dir", str(out), env_home=home)
+    assert result.returncode == 1  # one line failed
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["total"] == 50 and summary["failed"] == 1
+    assert summary["skipped"] == len(first) and summary["done"] == 50 - 1 - len(first)
+    assert "50/50" in result.stderr  # the progress bar reached the end
+    done = sorted(out.glob("*.wav"))
+    assert len(done) == 49 and not list(out.glob(".*.partial"))
+    for path in done:
+        assert sf.info(str(path)).frames > 0
+        if path.name in first:
+            assert path.stat().st_mtime_ns == first[path.name], f"{path.name} was redone"
+    dead = [json.loads(x) for x in (out / DEAD_LETTER).read_text().splitlines()]
+    assert [d["id"] for d in dead] == ["000010"] and "nothing speakable" in dead[0]["error"] and dead[0]["time"]
+
+
+def test_synth_batch_csv_with_sample_rate(home, tmp_path):
+    source = tmp_path / "lines.csv"
+    source.write_text("id,text\nintro,Welcome to the show.\noutro,\"Goodbye, and thanks.\"\n")
+    result = cosyedge("synth-batch", str(source), "--out-dir", str(tmp_path / "o"), "--sample-rate", "24000",
+                      "--quiet", env_home=home)
+    assert result.returncode == 0, result.stderr
+    for key in ("intro", "outro"):
+        info = sf.info(str(tmp_path / "o" / f"{key}.wav"))
+        assert info.samplerate == 24000 and info.frames > 10000
+
+
+def test_bench_reports_precisions_and_peer_side_by_side(home, tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = cosyedge("bench", "--rounds", "1", "--threads", "1", "--json", str(report_path), env_home=home)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert set(report["results"]) == {"cosyedge-fp32", "cosyedge-int8", "piper-tts"}
+    for row in report["results"].values():
+        assert row["rtf"] > 0 and len(row["sentences"]) == 5
+    assert "TOTAL RTF" in result.stdout
