@@ -1,0 +1,462 @@
+"""CosyVoice2 HiFT vocoder (NSF source + iSTFT HiFi-GAN) as a torch inference module and two ONNX graphs.
+
+The module mirrors the official `HiFTGenerator.inference` (SineGen2 source, ConvRNNF0Predictor) with the
+official `hift.pt` key names after weight-norm folding, so `load_state_dict(release.checkpoint("hift.pt"))`
+is strict. Every size is read from the release yaml. Differences from the official code, all by design:
+
+* The Gaussian noise of the NSF source is an explicit input (`noise`); zeros reproduce the golden "noise0".
+* The random initial phase of SineGen2 is omitted: the 1/480 linear down-sampling reads sample positions
+  480 i + 239.5 only, so sample 0 (where that phase is added) never contributes.
+* The sine phase is computed in cycles modulo 1 from its exact definition (linear half-pixel interpolation
+  of 2 pi U cumsum((k f0 / sr) mod 1) between frame centres), splitting values on power-of-two grids so that
+  every product and cumulative sum is exact in float32 (valid below 2**14 frames = 327 s). Given the
+  float32 increments it matches a float64 evaluation to ~1e-5 rad at any length and holds no large numbers
+  (float32 CumSum in ONNX Runtime / TensorRT is exact here). The official float32 code accumulates the raw
+  phase (~1e5 rad after a few seconds); its rounding alone moves the golden waveforms by up to 4.5e-3 from a
+  float64 run, which is the size of the difference between this module and those goldens.
+* STFT / iSTFT are a Conv1d / ConvTranspose1d with fixed DFT bases (ONNX has no iSTFT; TensorRT 10.3 parses
+  no DFT): periodic Hann, n_fft and hop from the yaml, centred with reflect padding like `torch.stft`; the
+  iSTFT divides by the overlap-added squared window and trims n_fft/2 samples at both ends (`torch.istft`).
+
+ONNX graphs written by `export_hift` (opset 17, standard ops only, dynamic batch B and mel frames T;
+U = prod(upsample_rates) * hop_len = 480 samples per mel frame, H = nb_harmonics + 1 = 9 sinusoids):
+
+* `hift_source.onnx`
+    inputs:  `mel`    float32 [B, 80, T]      (80 = yaml in_channels)
+             `noise`  float32 [B, T*U, H]     standard Gaussian N(0, 1) draw, one value per sample and
+                                              sinusoid (the official `randn_like(sine_waves)`); the graph
+                                              scales it by nsf_sigma (voiced) or nsf_alpha/3 (unvoiced).
+                                              All zeros = the official output with the noise switched off.
+    outputs: `source` float32 [B, 1, T*U]     NSF excitation tanh(l_linear(sines * uv + noise))
+             `f0`     float32 [B, T]          predicted f0 in Hz (>= 0)
+* `hift_decoder.onnx`
+    inputs:  `mel`    float32 [B, 80, T]
+             `source` float32 [B, 1, T*U]     the source above; for streaming, its first samples may be
+                                              replaced by the cached source of the previous chunk
+    outputs: `speech` float32 [B, T*U]        24 kHz waveform, clamped to +-audio_limit
+
+Streaming (official v2 rules, done by the runtime between the two graphs): mel = last 8 frames of the
+previous HiFT input ++ new mel; source[:, :, :8*U] = previous chunk's source[:, :, -8*U:]; decode; the first
+8*U output samples are cross-faded with the previous tail (Hamming window of 16*U points).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from device.errors import ReleaseError
+from quantize.cosyvoice2.release import Node, Release, check_state
+
+HIFT_TARGET = "cosyvoice.hifigan.generator.HiFTGenerator"
+F0_TARGET = "cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor"
+CHECKPOINT_NAME = "hift.pt"
+ONNX_OPSET = 17
+# Grids that split phase quantities into parts whose products / cumulative sums are exact in float32:
+# rates (cycles per sample, < 1) on 2**-12 times U (< 2**12) or sample offsets (< 2**12 halves);
+# frame advances (< 2) on 2**-9 and 2**-18, summed exactly over up to 2**14 frames (327 s at 50 Hz).
+RATE_GRID = 2.0 ** 12
+ADVANCE_GRIDS = (2.0 ** 9, 2.0 ** 18)
+
+
+@dataclass(frozen=True)
+class HiFTConfig:
+    """Hyper-parameters of `HiFTGenerator` and its `ConvRNNF0Predictor`, as written in the release yaml."""
+    in_channels: int
+    base_channels: int
+    nb_harmonics: int
+    sampling_rate: int
+    nsf_alpha: float
+    nsf_sigma: float
+    nsf_voiced_threshold: float
+    upsample_rates: tuple[int, ...]
+    upsample_kernel_sizes: tuple[int, ...]
+    n_fft: int
+    hop_len: int
+    resblock_kernel_sizes: tuple[int, ...]
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...]
+    source_resblock_kernel_sizes: tuple[int, ...]
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...]
+    lrelu_slope: float
+    audio_limit: float
+    f0_cond_channels: int
+
+    @property
+    def samples_per_frame(self) -> int:
+        return math.prod(self.upsample_rates) * self.hop_len
+
+    @classmethod
+    def from_hparams(cls, hparams: dict[str, Any]) -> "HiFTConfig":
+        node = hparams.get("hift")
+        if not isinstance(node, Node) or node.target != HIFT_TARGET:
+            found = node.target if isinstance(node, Node) else type(node).__name__
+            raise ReleaseError(f"cosyvoice2.yaml: 'hift' must be {HIFT_TARGET}, found {found}")
+
+        def arg(key: str, source: Node = node, where: str = "hift") -> Any:
+            if key not in source.args:
+                raise ReleaseError(f"cosyvoice2.yaml: {where}.{key} is missing")
+            return source.args[key]
+
+        f0 = arg("f0_predictor")
+        if not isinstance(f0, Node) or f0.target != F0_TARGET:
+            raise ReleaseError(f"cosyvoice2.yaml: hift.f0_predictor must be {F0_TARGET}")
+        if int(arg("num_class", f0, "hift.f0_predictor")) != 1:
+            raise ReleaseError("cosyvoice2.yaml: hift.f0_predictor.num_class must be 1 (one f0 value per frame)")
+        if int(arg("in_channels", f0, "hift.f0_predictor")) != int(arg("in_channels")):
+            raise ReleaseError("cosyvoice2.yaml: hift.f0_predictor.in_channels differs from hift.in_channels")
+        sampling_rate = int(arg("sampling_rate"))
+        if sampling_rate == 22050:
+            raise ReleaseError("cosyvoice2.yaml: hift.sampling_rate 22050 selects the CosyVoice1 SineGen source, "
+                               "which this CosyVoice2 converter does not implement")
+        istft = arg("istft_params")
+        cfg = cls(
+            in_channels=int(arg("in_channels")),
+            base_channels=int(arg("base_channels")),
+            nb_harmonics=int(arg("nb_harmonics")),
+            sampling_rate=sampling_rate,
+            nsf_alpha=float(arg("nsf_alpha")),
+            nsf_sigma=float(arg("nsf_sigma")),
+            nsf_voiced_threshold=float(arg("nsf_voiced_threshold")),
+            upsample_rates=tuple(int(v) for v in arg("upsample_rates")),
+            upsample_kernel_sizes=tuple(int(v) for v in arg("upsample_kernel_sizes")),
+            n_fft=int(istft["n_fft"]),
+            hop_len=int(istft["hop_len"]),
+            resblock_kernel_sizes=tuple(int(v) for v in arg("resblock_kernel_sizes")),
+            resblock_dilation_sizes=tuple(tuple(int(d) for d in ds) for ds in arg("resblock_dilation_sizes")),
+            source_resblock_kernel_sizes=tuple(int(v) for v in arg("source_resblock_kernel_sizes")),
+            source_resblock_dilation_sizes=tuple(tuple(int(d) for d in ds)
+                                                 for ds in arg("source_resblock_dilation_sizes")),
+            lrelu_slope=float(arg("lrelu_slope")),
+            audio_limit=float(arg("audio_limit")),
+            f0_cond_channels=int(arg("cond_channels", f0, "hift.f0_predictor")),
+        )
+        if len(cfg.upsample_kernel_sizes) != len(cfg.upsample_rates) or \
+                len(cfg.source_resblock_kernel_sizes) != len(cfg.upsample_rates):
+            raise ReleaseError("cosyvoice2.yaml: hift upsample_rates, upsample_kernel_sizes and "
+                               "source_resblock_kernel_sizes must have the same length")
+        if cfg.samples_per_frame >= RATE_GRID:
+            raise ReleaseError(f"cosyvoice2.yaml: hift upsamples {cfg.samples_per_frame} samples per frame; "
+                               f"the exact phase arithmetic supports fewer than {int(RATE_GRID)}")
+        return cfg
+
+
+def get_padding(kernel_size: int, dilation: int) -> int:
+    """'Same' padding of an odd dilated kernel."""
+    return (kernel_size * dilation - dilation) // 2
+
+
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha with a per-channel alpha (linear scale, as in the official HiFT)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """Residual dilated-conv block with Snake activations: x += conv2(snake(conv1(snake(x)))) per dilation."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+        super().__init__()
+        self.convs1 = nn.ModuleList(nn.Conv1d(channels, channels, kernel_size, dilation=d,
+                                              padding=get_padding(kernel_size, d)) for d in dilations)
+        self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel_size,
+                                              padding=get_padding(kernel_size, 1)) for _ in dilations)
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
+            x = conv2(act2(conv1(act1(x)))) + x
+        return x
+
+
+class ConvRNNF0Predictor(nn.Module):
+    """Five Conv1d(k3)+ELU layers, a per-frame Linear to one value, abs: f0 in Hz per mel frame."""
+
+    def __init__(self, in_channels: int, cond_channels: int):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(5):
+            layers += [nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1), nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, 1)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        x = self.condnet(mel).transpose(1, 2)
+        return torch.abs(self.classifier(x).squeeze(-1))
+
+
+class SourceModuleHnNSF(nn.Module):
+    """SineGen2 harmonic source merged to one excitation channel: tanh(l_linear(sines * uv + noise))."""
+
+    def __init__(self, cfg: HiFTConfig):
+        super().__init__()
+        self.sampling_rate = float(cfg.sampling_rate)
+        self.upsample = cfg.samples_per_frame
+        self.sine_amp = cfg.nsf_alpha
+        self.noise_std = cfg.nsf_sigma
+        self.voiced_threshold = cfg.nsf_voiced_threshold
+        self.l_linear = nn.Linear(cfg.nb_harmonics + 1, 1)
+        self.register_buffer("harmonics", torch.arange(1, cfg.nb_harmonics + 2, dtype=torch.float32),
+                             persistent=False)
+        # Distance in samples from the reference frame centre, for the samples of a frame before / from its
+        # centre (the centre of frame f lies at sample U f + (U - 1) / 2): half-integers, exact in float32.
+        half = self.upsample / 2
+        self.register_buffer("offsets_before", torch.arange(self.upsample // 2, dtype=torch.float32)[:, None]
+                             + (0.5 + half), persistent=False)
+        self.register_buffer("offsets_after", torch.arange(self.upsample // 2, self.upsample, dtype=torch.float32)
+                             [:, None] + (0.5 - half), persistent=False)
+
+    def _frame_increments(self, f0: torch.Tensor) -> torch.Tensor:
+        """Official per-sample phase increment in cycles, (k f0 / sr) mod 1, per frame: [B, T, H]."""
+        rad = f0.unsqueeze(-1) * self.harmonics / self.sampling_rate
+        return rad - torch.floor(rad)
+
+    def _cycles(self, rad: torch.Tensor) -> torch.Tensor:
+        """Sine phase in cycles (mod 1) of every sample, [B, T*U, H], from the increments [B, T, H].
+
+        Official: phase = linear x U interpolation (half-pixel) of 2 pi U cumsum(rad) at the frame centres.
+        Between the centres of frames f-1 and f the phase grows by rad[f] cycles per sample; before the first
+        and after the last centre it is constant. Computed mod 1 from exactly summed grid parts, so float32
+        keeps ~1e-7 cycles at any length (the official float32 phase grows to ~1e5 rad).
+        """
+        batch, frames, sines = rad.shape
+        rad_coarse, rad_fine = _split(rad, RATE_GRID)
+        # Advance over one frame, U * rad mod 1 (U * rad_coarse is exact).
+        advance = _frac(self.upsample * rad_coarse) + self.upsample * rad_fine
+        adv_1, rest = _split(advance, ADVANCE_GRIDS[0])
+        adv_2, adv_3 = _split(rest, ADVANCE_GRIDS[1])
+        centre = _frac(_frac(torch.cumsum(adv_1, dim=1)) + _frac(torch.cumsum(adv_2, dim=1))
+                       + torch.cumsum(adv_3, dim=1))
+        zero = torch.zeros_like(rad[:, :1])
+        # Samples before the centre of frame f: from centre f-1 at rate rad[f] (frame 0: held).
+        before = _ramp(torch.cat([centre[:, :1], centre[:, :-1]], dim=1),
+                       torch.cat([zero, rad_coarse[:, 1:]], dim=1), torch.cat([zero, rad_fine[:, 1:]], dim=1),
+                       self.offsets_before)
+        # Samples from the centre of frame f on: from centre f at rate rad[f+1] (last frame: held).
+        after = _ramp(centre, torch.cat([rad_coarse[:, 1:], zero], dim=1), torch.cat([rad_fine[:, 1:], zero], dim=1),
+                      self.offsets_after)
+        return torch.cat([before, after], dim=2).reshape(batch, frames * self.upsample, sines)
+
+    def excitation(self, f0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """f0 [B, T] (Hz), noise [B, T*U, H] standard Gaussian -> sines * uv + noise_amp * noise, [B, T*U, H]."""
+        batch, frames = f0.shape
+        sines = torch.sin(self._cycles(self._frame_increments(f0)) * (2 * math.pi)) * self.sine_amp
+        uv = (f0 > self.voiced_threshold).to(torch.float32)
+        uv = uv[:, :, None, None].expand(batch, frames, self.upsample, 1).reshape(batch, -1, 1)
+        noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        return sines * uv + noise_amp * noise
+
+    def forward(self, f0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """f0 [B, T] (Hz), noise [B, T*U, H] standard Gaussian -> source [B, 1, T*U]."""
+        return torch.tanh(self.l_linear(self.excitation(f0, noise))).transpose(1, 2)
+
+
+def _frac(x: torch.Tensor) -> torch.Tensor:
+    """x mod 1 for x >= 0 (exact in floating point)."""
+    return x - torch.floor(x)
+
+
+def _split(x: torch.Tensor, grid: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = coarse + fine exactly, coarse on the 1/grid lattice, 0 <= fine < 1/grid (x >= 0)."""
+    coarse = torch.floor(x * grid) / grid
+    return coarse, x - coarse
+
+
+def _ramp(base: torch.Tensor, rate_coarse: torch.Tensor, rate_fine: torch.Tensor,
+          offsets: torch.Tensor) -> torch.Tensor:
+    """(base + offset * rate) mod 1 for base, rate [B, T, H] and offsets [n, 1] -> [B, T, n, H]."""
+    cycles = base[:, :, None] + _frac(offsets * rate_coarse[:, :, None]) + offsets * rate_fine[:, :, None]
+    return _frac(cycles)
+
+
+def _hann(n_fft: int) -> np.ndarray:
+    """Periodic Hann window (scipy get_window('hann', n, fftbins=True)), float64."""
+    return 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
+
+
+def _dft_bases(n_fft: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(forward, inverse) real DFT kernels of shape [2*(n_fft/2+1), 1, n_fft], window included.
+
+    Forward: channel k = w[n] cos(2 pi k n / N), channel bins+k = -w[n] sin(...) (torch.stft real | imag).
+    Inverse: one-sided irfft (imag of DC and Nyquist ignored, 1/N scale) times the synthesis window.
+    """
+    bins = n_fft // 2 + 1
+    n = np.arange(n_fft)
+    k = np.arange(bins)[:, None]
+    angle = 2 * np.pi * k * n / n_fft
+    cos, sin = np.cos(angle), np.sin(angle)
+    sin[0] = 0.0
+    if n_fft % 2 == 0:
+        sin[-1] = 0.0
+    window = _hann(n_fft)
+    forward = np.concatenate([cos, -sin]) * window
+    scale = np.full((bins, 1), 2.0)
+    scale[0] = 1.0
+    if n_fft % 2 == 0:
+        scale[-1] = 1.0
+    inverse = np.concatenate([scale * cos, -scale * sin]) / n_fft * window
+    as_kernel = lambda a: torch.from_numpy(a.astype(np.float32))[:, None, :]  # noqa: E731
+    return as_kernel(forward), as_kernel(inverse)
+
+
+class HiFTGenerator(nn.Module):
+    """HiFT inference: f0 -> NSF source -> source-conditioned HiFi-GAN -> magnitude/phase -> iSTFT."""
+
+    def __init__(self, cfg: HiFTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.f0_predictor = ConvRNNF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
+        self.m_source = SourceModuleHnNSF(cfg)
+        self.conv_pre = nn.Conv1d(cfg.in_channels, cfg.base_channels, 7, padding=3)
+        stages = len(cfg.upsample_rates)
+        channels = [cfg.base_channels // 2 ** i for i in range(stages + 1)]
+        self.ups = nn.ModuleList(
+            nn.ConvTranspose1d(channels[i], channels[i + 1], k, u, padding=(k - u) // 2)
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes)))
+        spec_channels = cfg.n_fft + 2
+        down_rates = np.cumprod([1, *cfg.upsample_rates[::-1][:-1]])[::-1]
+        self.source_downs = nn.ModuleList(
+            nn.Conv1d(spec_channels, channels[i + 1], 1) if int(u) == 1
+            else nn.Conv1d(spec_channels, channels[i + 1], int(u) * 2, int(u), padding=int(u) // 2)
+            for i, u in enumerate(down_rates))
+        self.source_resblocks = nn.ModuleList(
+            ResBlock(channels[i + 1], k, d)
+            for i, (k, d) in enumerate(zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes)))
+        self.resblocks = nn.ModuleList(
+            ResBlock(channels[i + 1], k, d) for i in range(stages)
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
+        self.conv_post = nn.Conv1d(channels[-1], spec_channels, 7, padding=3)
+        stft_basis, istft_basis = _dft_bases(cfg.n_fft)
+        self.register_buffer("stft_basis", stft_basis, persistent=False)
+        self.register_buffer("istft_basis", istft_basis, persistent=False)
+        self.register_buffer("window_square", torch.from_numpy(_hann(cfg.n_fft) ** 2).float()[None, None, :],
+                             persistent=False)
+
+    def f0(self, mel: torch.Tensor) -> torch.Tensor:
+        """mel [B, 80, T] -> f0 [B, T] in Hz."""
+        return self.f0_predictor(mel)
+
+    def source(self, mel: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """mel [B, 80, T], noise [B, T*U, H] -> (source [B, 1, T*U], f0 [B, T])."""
+        f0 = self.f0(mel)
+        return self.m_source(f0, noise), f0
+
+    def stft(self, signal: torch.Tensor) -> torch.Tensor:
+        """[B, 1, L] -> [B, 2*(n_fft/2+1), L/hop + 1]: real then imaginary parts of the centred STFT."""
+        half = self.cfg.n_fft // 2
+        return F.conv1d(F.pad(signal, (half, half), mode="reflect"), self.stft_basis, stride=self.cfg.hop_len)
+
+    def istft(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        """Centred one-sided iSTFT by overlap-add: [B, bins, F] x 2 -> [B, hop * (F - 1)]."""
+        magnitude = torch.clamp(magnitude, max=1e2)
+        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
+        frames = F.conv_transpose1d(spec, self.istft_basis, stride=self.cfg.hop_len)
+        envelope = F.conv_transpose1d(torch.ones_like(spec[:1, :1, :]), self.window_square, stride=self.cfg.hop_len)
+        half = self.cfg.n_fft // 2
+        return (frames / envelope)[:, 0, half:-half]
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """mel [B, 80, T], source [B, 1, T*U] -> speech [B, T*U] clamped to +-audio_limit."""
+        cfg = self.cfg
+        spec = self.stft(source)
+        x = self.conv_pre(mel)
+        stages = len(self.ups)
+        kernels = len(cfg.resblock_kernel_sizes)
+        for i in range(stages):
+            x = self.ups[i](F.leaky_relu(x, cfg.lrelu_slope))
+            if i == stages - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](spec))
+            xs = self.resblocks[i * kernels](x)
+            for j in range(1, kernels):
+                xs = xs + self.resblocks[i * kernels + j](x)
+            x = xs / kernels
+        x = self.conv_post(F.leaky_relu(x))
+        bins = cfg.n_fft // 2 + 1
+        speech = self.istft(torch.exp(x[:, :bins, :]), torch.sin(x[:, bins:, :]))
+        return torch.clamp(speech, -cfg.audio_limit, cfg.audio_limit)
+
+    def forward(self, mel: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """mel [B, 80, T], noise [B, T*U, H] -> speech [B, T*U] (non-streaming inference)."""
+        source, _ = self.source(mel, noise)
+        return self.decode(mel, source)
+
+
+def build_hift_random(hparams: dict[str, Any]) -> HiFTGenerator:
+    """The module from hyper-parameters alone, random weights (for random-weight full-size releases)."""
+    return HiFTGenerator(HiFTConfig.from_hparams(hparams)).eval()
+
+
+def load_hift_state(module: HiFTGenerator, state: dict[str, torch.Tensor], file_name: str = CHECKPOINT_NAME) -> None:
+    """Strict load of a weight-norm-folded state: every official key with its shape, nothing else."""
+    check_state(state, {k: tuple(v.shape) for k, v in module.state_dict().items()}, file_name)
+    module.load_state_dict(state, strict=True)
+
+
+def build_hift(release: Release) -> HiFTGenerator:
+    """The release's HiFT with its `hift.pt` weights (float16 or float32 on disk, float32 here)."""
+    module = build_hift_random(release.hparams)
+    load_hift_state(module, release.checkpoint(CHECKPOINT_NAME))
+    return module
+
+
+class _SourceGraph(nn.Module):
+    def __init__(self, hift: HiFTGenerator):
+        super().__init__()
+        self.hift = hift
+
+    def forward(self, mel: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hift.source(mel, noise)
+
+
+class _DecoderGraph(nn.Module):
+    def __init__(self, hift: HiFTGenerator):
+        super().__init__()
+        self.hift = hift
+
+    def forward(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return self.hift.decode(mel, source)
+
+
+def export_hift(module: HiFTGenerator, out_dir: Path) -> dict[str, Path]:
+    """Write `hift_source.onnx` and `hift_decoder.onnx` (signatures in the module docstring)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = module.cfg
+    frames = 6  # example length only; the time axis is dynamic
+    mel = torch.zeros(1, cfg.in_channels, frames)
+    noise = torch.zeros(1, frames * cfg.samples_per_frame, cfg.nb_harmonics + 1)
+    source = torch.zeros(1, 1, frames * cfg.samples_per_frame)
+    graphs = {
+        "hift_source": (_SourceGraph(module), (mel, noise), ["mel", "noise"], ["source", "f0"],
+                        {"mel": {0: "B", 2: "T"}, "noise": {0: "B", 1: "TU"},
+                         "source": {0: "B", 2: "TU"}, "f0": {0: "B", 1: "T"}}),
+        "hift_decoder": (_DecoderGraph(module), (mel, source), ["mel", "source"], ["speech"],
+                         {"mel": {0: "B", 2: "T"}, "source": {0: "B", 2: "TU"}, "speech": {0: "B", 1: "TU"}}),
+    }
+    paths: dict[str, Path] = {}
+    was_training = module.training
+    module.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer notices
+        for name, (graph, args, inputs, outputs, axes) in graphs.items():
+            path = out_dir / f"{name}.onnx"
+            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET,
+                              input_names=inputs, output_names=outputs, dynamic_axes=axes,
+                              do_constant_folding=True)
+            paths[name] = path
+    module.train(was_training)
+    return paths
