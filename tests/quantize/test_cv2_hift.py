@@ -175,8 +175,8 @@ def test_stft_and_istft_match_torch(hift: HiFTGenerator):
     expected = torch.istft(torch.polar(magnitude, phase), cfg.n_fft, cfg.hop_len, cfg.n_fft, window=window)
     torch.testing.assert_close(hift.istft(magnitude, phase), expected, atol=1e-5, rtol=0)
     # Analysis then synthesis is the identity (the normalisation by the overlap-added squared window).
-    ours = hift.stft(signal)
-    resynth = hift.istft(torch.sqrt(ours[:, :bins] ** 2 + ours[:, bins:] ** 2), torch.atan2(ours[:, bins:], ours[:, :bins]))
+    real, imag = ours[:, :bins], ours[:, bins:]
+    resynth = hift.istft(torch.sqrt(real ** 2 + imag ** 2), torch.atan2(imag, real))
     torch.testing.assert_close(resynth, signal[:, 0], atol=1e-5, rtol=0)
 
 
@@ -329,3 +329,28 @@ def test_export_keeps_module_usable(hift, tmp_path):
     module = copy.deepcopy(hift).train()
     paths = export_hift(module, tmp_path / "out")
     assert module.training and all(p.is_file() and p.parent == tmp_path / "out" for p in paths.values())
+
+
+def test_full_size_module_from_hparams(release: Release):
+    """The real CosyVoice2-0.5B HiFT (base 512, f0 cond 512) builds from hyper-parameters alone with the
+    official shapes (fact sheet A3) and runs."""
+    node = release.hparams["hift"]
+    f0_node = node.args["f0_predictor"]
+    args = dict(node.args, base_channels=512, f0_predictor=Node(f0_node.tag, f0_node.target,
+                                                                 dict(f0_node.args, cond_channels=512)))
+    module = build_hift_random(dict(release.hparams, hift=Node(node.tag, node.target, args)))
+    shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    assert shapes["conv_pre.weight"] == (512, 80, 7)
+    assert [shapes[f"ups.{i}.weight"] for i in range(3)] == [(512, 256, 16), (256, 128, 11), (128, 64, 7)]
+    assert [shapes[f"source_downs.{i}.weight"] for i in range(3)] == [(256, 18, 30), (128, 18, 6), (64, 18, 1)]
+    assert shapes["resblocks.8.convs1.2.weight"] == (64, 64, 11) and shapes["conv_post.weight"] == (18, 64, 7)
+    assert shapes["f0_predictor.condnet.8.weight"] == (512, 512, 3)
+    # 328 checkpoint keys, 82 weight-norm (g, v) pairs folded into one weight each; 20 821 295 parameters
+    # in the checkpoint = ours + one g per output row of each folded weight (dim 0).
+    folded = [k for k in shapes if k.endswith(".weight") and not k.startswith(("source_downs.", "m_source.",
+                                                                                "f0_predictor.classifier."))]
+    assert len(folded) == 82 and len(shapes) == 328 - 82
+    assert sum(math.prod(s) for s in shapes.values()) + sum(shapes[k][0] for k in folded) == 20_821_295
+    with torch.no_grad():
+        speech = module(torch.randn(1, 80, 3), _zero_noise(module.cfg, 3))
+    assert speech.shape == (1, 3 * 480) and bool(torch.isfinite(speech).all())
