@@ -308,8 +308,8 @@ def _dft_bases(n_fft: int) -> tuple[torch.Tensor, torch.Tensor]:
     if n_fft % 2 == 0:
         scale[-1] = 1.0
     inverse = np.concatenate([scale * cos, -scale * sin]) / n_fft * window
-    as_kernel = lambda a: torch.from_numpy(a.astype(np.float32))[:, None, :]  # noqa: E731
-    return as_kernel(forward), as_kernel(inverse)
+    return (torch.from_numpy(forward.astype(np.float32))[:, None, :],
+            torch.from_numpy(inverse.astype(np.float32))[:, None, :])
 
 
 class HiFTGenerator(nn.Module):
