@@ -170,20 +170,16 @@ def fixed_noise() -> np.ndarray:
     return torch.randn(1, 80, NOISE_FRAMES, generator=generator).numpy()
 
 
-def chunk_visible(size: torch.Tensor | int, chunk: int, left_chunks: int = -1) -> torch.Tensor:
-    """[size, size] bool: query i sees key j inside its own chunk or an earlier one (official static chunk mask)."""
+def attention_visible(size: torch.Tensor | int, chunk: int, streaming: torch.Tensor, left_chunks: int = -1
+                      ) -> torch.Tensor:
+    """[size, size] bool, query i x key j. `streaming` (int64 [1]) 1: the official static chunk mask (i sees its
+    own chunk and the `left_chunks` before it, every earlier one when negative); 0: everything."""
     pos = torch.arange(size)
     block = torch.div(pos, chunk, rounding_mode="floor").unsqueeze(1)
     visible = pos.unsqueeze(0) < (block + 1) * chunk
     if left_chunks >= 0:
         visible = visible & (pos.unsqueeze(0) >= torch.clamp(block - left_chunks, min=0) * chunk)
-    return visible
-
-
-def attention_visible(size: torch.Tensor | int, chunk: int, streaming: torch.Tensor, left_chunks: int = -1
-                      ) -> torch.Tensor:
-    """[size, size] bool: the chunk mask when `streaming` (int64 [1]) is 1, everything when 0."""
-    return chunk_visible(size, chunk, left_chunks) | (streaming == 0)
+    return visible | (streaming == 0)
 
 
 # ---------------------------------------------------------------------------------------------- encoder
@@ -402,6 +398,7 @@ class GELUProjection(nn.Module):
 class TransformerFeedForward(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
+        # net.1 is the official (inactive) dropout slot: kept so that the second Linear is `net.2`
         self.net = nn.Sequential(GELUProjection(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
