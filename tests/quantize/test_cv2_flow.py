@@ -3,7 +3,8 @@ ONNX export.
 
 Tolerances (vectors/README.md): spks, mu, cond, encoder output, estimator output, mel atol 1e-4 (official fp32 vs
 fp64 differs by <= 5.3e-6); the fixed noise checksums exact (sha256) or to the printed digits; the t schedule 1e-7
-in torch (same float32 arithmetic), 1e-6 in numpy (its cosine grid may differ by 1 ulp). ONNX Runtime vs golden / torch: atol 1e-4.
+in torch (same float32 arithmetic), 1e-6 in numpy (its cosine grid may differ by 1 ulp). ONNX Runtime vs
+golden / torch: atol 1e-4.
 """
 from __future__ import annotations
 
