@@ -1,0 +1,47 @@
+# cosyedge: every target works on a fresh clone of this repository (Debian, Python 3.11).
+PYTHON ?= python3
+VENV   ?= .venv
+PIP     = $(VENV)/bin/pip install -q -c constraints.txt
+BIN     = $(VENV)/bin
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test quantize bench serve system-deps runtime buildhost install-service clean
+
+system-deps:  ## Debian packages: ffmpeg (pydub's encoder), systemd-analyze (unit checks)
+	@command -v ffmpeg >/dev/null && command -v systemd-analyze >/dev/null || \
+	  ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends ffmpeg systemd)
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+
+runtime: system-deps $(VENV)/bin/python  ## the device runtime + API: numpy and ONNX Runtime, no torch
+	$(PIP) -e .
+
+buildhost: system-deps $(VENV)/bin/python  ## everything, including the build-host tools (torch 2.13.0 CPU) and tests
+	$(PIP) -e ".[quantize,test]"
+
+demo: runtime  ## speak a sentence with the embedded default voice into demo.wav
+	$(BIN)/cosyedge synth "Hello! This is cosyedge, speaking offline from this box. No network was needed." -o demo.wav
+	@echo "wrote demo.wav"
+
+test: buildhost  ## the whole test suite (what CI runs)
+	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+MODEL_DIR ?=
+OUT ?= bundles/$(notdir $(abspath $(MODEL_DIR)))
+quantize: buildhost  ## no MODEL_DIR: the default voice's bundle; MODEL_DIR=<official release>: a CosyVoice bundle in $(OUT)
+ifeq ($(MODEL_DIR),)
+	$(BIN)/cosyedge quantize --force
+else
+	$(BIN)/cosyedge quantize --model-dir $(MODEL_DIR) --out $(OUT)
+endif
+
+bench: runtime  ## RTF of the default voice: fp32, int8 and piper-tts side by side
+	$(BIN)/cosyedge bench
+
+serve: runtime  ## the HTTP API on 127.0.0.1:8100
+	$(BIN)/cosyedge serve
+
+clean:
+	rm -rf $(VENV) demo.wav bundles *.egg-info
