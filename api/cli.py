@@ -2,7 +2,46 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+from pathlib import Path
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from api.config import load_config
+    from api.server import serve
+    logging.getLogger().setLevel(logging.INFO)  # a service logs its lifecycle (to the journal under systemd)
+    config = load_config(args.config, host=args.host, port=args.port, bundle=args.bundle, precision=args.precision,
+                         instance=args.instance)
+    return serve(config)
+
+
+def cmd_bench_api(args: argparse.Namespace) -> int:
+    from api.bench import format_report, run_api_bench
+    report = run_api_bench(url=args.url, bundle=args.bundle, clients=args.clients, requests_per_client=args.requests,
+                           single_rounds=args.rounds)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the service's sub-commands (`serve`) to the `cosyedge` parser."""
+    """Add the service's sub-commands (`serve`, `bench-api`) to the `cosyedge` parser."""
+    p = sub.add_parser("serve", help="run the localhost HTTP API (OpenAI-compatible /v1/audio/speech and more)")
+    p.add_argument("--config", help="TOML file (default: $COSYEDGE_CONFIG, else built-in defaults)")
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="TCP port (default 8100; 0 picks a free one)")
+    p.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
+    p.add_argument("--precision", help="fp32, fp16, int8 or auto")
+    p.add_argument("--instance", type=int, help="GPU index of a templated unit: the port becomes port + instance")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench-api", help="measure the HTTP API: single-client latency and 16-client throughput")
+    p.add_argument("--url", help="a running service (default: start one in-process on a free port)")
+    p.add_argument("--bundle", help="bundle for the in-process service (default: the embedded default voice)")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=4, help="requests per client in the throughput phase")
+    p.add_argument("--rounds", type=int, default=10, help="sequential requests in the latency phase")
+    p.add_argument("--json", help="write the report to this file")
+    p.set_defaults(func=cmd_bench_api)

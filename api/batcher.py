@@ -1,0 +1,172 @@
+"""The batch queue: request threads submit work, one engine thread renders it in batches.
+
+The worker takes the oldest item, then waits (on a condition, never a sleep) until `batch_max`
+items are there or `timeout` has passed since the oldest one arrived, and hands the lot to
+`Engine.render_requests`, which groups compatible requests into model calls. Each item's
+`Future` carries its waveform or its error back to the waiting request thread. Items whose
+deadline passed or whose client left are skipped before any work is done for them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from api.errors import DeadlineExceeded, QueueFull
+from api.metrics import BATCH_BUCKETS, Metrics
+from device.engine import Engine
+from device.pipeline import Request, Unit
+
+log = logging.getLogger(__name__)
+
+
+class SynthesisError(Exception):
+    """The engine failed on an accepted item. `detail` (type and message) goes to the dead-letter file only."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("synthesis failed")
+        self.detail = detail
+
+
+@dataclass
+class Item:
+    units: list[Unit]
+    request: Request
+    deadline: float
+    enqueued: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+
+
+class BatchQueue:
+    """Bounded queue + the single engine worker thread."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, capacity: int, batch_max: int, timeout: float,
+                 heartbeat: Callable[[], None] | None = None, heartbeat_interval: float | None = None) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.capacity, self.batch_max, self.timeout = capacity, batch_max, timeout
+        self._heartbeat, self._heartbeat_interval = heartbeat, heartbeat_interval
+        self._items: deque[Item] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._batch_seconds = 0.1  # running estimate for Retry-After
+        self._thread = threading.Thread(target=self._run, name="cosyedge-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def depth(self) -> int:
+        return len(self._items)
+
+    def submit(self, jobs: Sequence[tuple[list[Unit], Request]], deadline: float, admitted: bool = False) -> list[Future]:
+        """Queue all jobs or none; QueueFull (503 + Retry-After) at once if they do not fit.
+
+        `admitted` work (the next sentence of a stream already under way) skips the capacity check:
+        each stream holds at most one item, so the overshoot is bounded by the HTTP thread count.
+        """
+        items = [Item(list(units), request, deadline) for units, request in jobs]
+        with self._cond:
+            if not admitted and len(self._items) + len(items) > self.capacity:
+                self.metrics.inc("cosyedge_queue_rejected_total", len(items))
+                batches_ahead = math.ceil((len(self._items) + len(items)) / self.batch_max)
+                raise QueueFull(retry_after=max(1, math.ceil(batches_ahead * self._batch_seconds)))
+            self._items.extend(items)
+            self._cond.notify()
+        return [item.future for item in items]
+
+    def wait(self, future: Future, deadline: float) -> np.ndarray:
+        """The item's waveform. Past the deadline, an item not yet started is withdrawn (504)."""
+        try:
+            return future.result(timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            if future.cancel():
+                self.metrics.inc("cosyedge_deadline_expired_total")
+                raise DeadlineExceeded() from None
+            return future.result()
+
+    # -- worker ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        next_beat = 0.0
+        while True:
+            now = time.monotonic()
+            if self._heartbeat is not None and now >= next_beat:
+                self._heartbeat()
+                next_beat = now + (self._heartbeat_interval or 1.0)
+            batch = self._collect(next_beat if self._heartbeat is not None else None)
+            if batch is None:
+                return
+            if batch:
+                try:
+                    self._render(batch)
+                except Exception as exc:  # noqa: BLE001 - the worker must survive anything
+                    log.exception("engine worker: unexpected error")
+                    for item in batch:
+                        if not item.future.done():
+                            item.future.set_exception(SynthesisError(f"{type(exc).__name__}: {exc}"))
+
+    def _collect(self, wake_at: float | None) -> list[Item] | None:
+        """Up to batch_max live items; [] when woken for the heartbeat; None when stopping."""
+        with self._cond:
+            while not self._items and not self._stopping:
+                remaining = None if wake_at is None else wake_at - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                self._cond.wait(remaining)
+            if self._stopping:
+                return None
+            close_at = self._items[0].enqueued + self.timeout
+            while len(self._items) < self.batch_max and not self._stopping:
+                remaining = close_at - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            batch = [self._items.popleft() for _ in range(min(self.batch_max, len(self._items)))]
+        now = time.monotonic()
+        live = []
+        for item in batch:
+            if not item.future.set_running_or_notify_cancel():
+                continue  # its client left (stream closed) or gave up
+            if now > item.deadline:
+                self.metrics.inc("cosyedge_deadline_expired_total")
+                item.future.set_exception(DeadlineExceeded())
+                continue
+            live.append(item)
+        return live
+
+    def _render(self, batch: list[Item]) -> None:
+        start = time.perf_counter()
+        try:
+            waves = self.engine.render_requests([(item.units, item.request) for item in batch])
+        except Exception as exc:  # noqa: BLE001 - isolate the failing item(s) by rendering one by one
+            if len(batch) == 1:
+                log.exception("synthesis failed")
+                self.metrics.inc("cosyedge_synthesis_failures_total")
+                batch[0].future.set_exception(SynthesisError(f"{type(exc).__name__}: {exc}"))
+                return
+            for item in batch:
+                self._render([item])
+            return
+        elapsed = time.perf_counter() - start
+        self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
+        audio = sum(len(w) for w in waves) / self.engine.sample_rate
+        self.metrics.observe("cosyedge_batch_size", len(batch), BATCH_BUCKETS)
+        self.metrics.inc("cosyedge_batches_total")
+        self.metrics.inc("cosyedge_audio_seconds_total", audio)
+        self.metrics.inc("cosyedge_compute_seconds_total", elapsed)
+        for item, wave in zip(batch, waves):
+            item.future.set_result(np.asarray(wave, dtype=np.float32))

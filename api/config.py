@@ -1,0 +1,152 @@
+"""Service configuration: defaults < TOML file < COSYEDGE_* environment < command-line flags.
+
+Validated once into a frozen `ServiceConfig`; every later reader trusts it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from device.errors import InputError
+
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+class ConfigError(InputError):
+    """The service configuration (file, environment or flags) is invalid."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything `cosyedge serve` needs; see systemd/cosyedge.env.example for the environment names."""
+    host: str = "127.0.0.1"
+    port: int = 8100
+    instance: int | None = None          # template unit: GPU index, added to `port`
+    bundle: str | None = None            # None: the embedded default voice
+    precision: str = "auto"
+    http_threads: int = 32               # waitress worker threads (concurrent requests, streams included)
+    queue_size: int = 64                 # synthesis items waiting for the engine; beyond it: 503
+    batch_max: int = 8                   # items per engine call
+    batch_timeout_ms: float = 20.0       # longest wait for more items after the oldest one arrived
+    max_text_len: int = 2000             # characters per text; beyond it: 413
+    max_batch_items: int = 64            # texts per /v1/tts/batch request
+    request_timeout_s: float = 60.0      # deadline for work to start; beyond it: 504
+    rate_limit_per_s: float = 0.0        # per-client token bucket; 0 = off
+    rate_limit_burst: int = 10
+    voice_aliases: Mapping[str, str] = field(default_factory=dict)  # OpenAI voice name -> local voice
+    state_dir: str | None = None         # dead-letter records; None: device.default_voice.state_dir()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "voice_aliases", MappingProxyType(dict(self.voice_aliases)))
+        checks = [
+            (0 <= self.port <= 65535, "port must be 0-65535"),
+            (self.instance is None or 0 <= self.instance <= 99, "instance must be 0-99"),
+            (0 <= self.effective_port <= 65535, "port + instance must be <= 65535"),
+            (bool(self.host), "host must not be empty"),
+            (self.precision in ("auto", "fp32", "fp16", "int8"), "precision must be auto, fp32, fp16 or int8"),
+            (1 <= self.http_threads <= 1024, "http_threads must be 1-1024"),
+            (1 <= self.queue_size <= 100000, "queue_size must be 1-100000"),
+            (1 <= self.batch_max <= 1024, "batch_max must be 1-1024"),
+            (0 <= self.batch_timeout_ms <= 10000, "batch_timeout_ms must be 0-10000"),
+            (1 <= self.max_text_len <= 1_000_000, "max_text_len must be 1-1000000"),
+            (1 <= self.max_batch_items <= 10000, "max_batch_items must be 1-10000"),
+            (0 < self.request_timeout_s <= 3600, "request_timeout_s must be in (0, 3600]"),
+            (0 <= self.rate_limit_per_s and math.isfinite(self.rate_limit_per_s), "rate_limit_per_s must be >= 0"),
+            (self.rate_limit_burst >= 1, "rate_limit_burst must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"configuration: {message}")
+        for alias, target in self.voice_aliases.items():
+            if not isinstance(alias, str) or not isinstance(target, str) or not alias or not target:
+                raise ConfigError("configuration: voice_aliases must map names to voice names")
+
+    @property
+    def effective_port(self) -> int:
+        return self.port + (self.instance or 0) if self.port else 0
+
+    @property
+    def batch_timeout(self) -> float:
+        return self.batch_timeout_ms / 1000.0
+
+
+_ENV = {  # environment variable -> field
+    "COSYEDGE_HOST": "host", "COSYEDGE_PORT": "port", "COSYEDGE_INSTANCE": "instance",
+    "COSYEDGE_BUNDLE": "bundle", "COSYEDGE_PRECISION": "precision", "COSYEDGE_HTTP_THREADS": "http_threads",
+    "COSYEDGE_QUEUE_SIZE": "queue_size", "COSYEDGE_BATCH_MAX": "batch_max",
+    "COSYEDGE_BATCH_TIMEOUT_MS": "batch_timeout_ms", "COSYEDGE_MAX_TEXT_LEN": "max_text_len",
+    "COSYEDGE_MAX_BATCH_ITEMS": "max_batch_items", "COSYEDGE_REQUEST_TIMEOUT_S": "request_timeout_s",
+    "COSYEDGE_RATE_LIMIT_PER_S": "rate_limit_per_s", "COSYEDGE_RATE_LIMIT_BURST": "rate_limit_burst",
+    "COSYEDGE_VOICE_ALIASES": "voice_aliases", "COSYEDGE_STATE_DIR": "state_dir",
+}
+_TYPES = {f.name: f.type for f in fields(ServiceConfig)}
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """One raw value (TOML or environment string) -> the field's type; ConfigError names the source."""
+    kind = _TYPES[name]
+    try:
+        if name == "voice_aliases":
+            if isinstance(value, str):  # "alloy=joe,echo=joe"
+                pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+                if any(len(p) != 2 for p in pairs):
+                    raise ValueError("expected name=voice pairs separated by commas")
+                return {k.strip(): v.strip() for k, v in pairs}
+            if not isinstance(value, dict):
+                raise ValueError("expected a table")
+            return dict(value)
+        if value == "" and "None" in kind:
+            return None
+        if "int" in kind:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError("expected an integer")
+            return int(value)
+        if "float" in kind:
+            if isinstance(value, bool):
+                raise ValueError("expected a number")
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError("expected a string")
+        return value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"configuration: {source}: {name}: {exc}") from None
+
+
+def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = None,
+                **overrides: Any) -> ServiceConfig:
+    """Read the TOML file (if any; `COSYEDGE_CONFIG` names one too), then the environment, then `overrides`."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = path or env.get("COSYEDGE_CONFIG") or None
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"configuration file {path.name!r} does not exist") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"configuration file {path.name!r} is not valid TOML: {exc}") from None
+        table = data.get("cosyedge", data)  # either top-level keys or a [cosyedge] table
+        for key, value in table.items():
+            if key == "cosyedge":
+                continue
+            if key not in _TYPES:
+                raise ConfigError(f"configuration file {path.name!r}: unknown key {key!r}")
+            values[key] = _coerce(key, value, path.name)
+    for var, name in _ENV.items():
+        if var in env:
+            values[name] = _coerce(name, env[var], var)
+    for name, value in overrides.items():
+        if value is not None:
+            values[name] = value
+    return ServiceConfig(**values)
+
+
+def with_overrides(config: ServiceConfig, **changes: Any) -> ServiceConfig:
+    return replace(config, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,98 @@
+"""The OpenAPI 3.1 description served at /openapi.json; a test keeps it equal to the app's routes."""
+from __future__ import annotations
+
+from typing import Any
+
+from api.config import OPENAI_MODELS, OPENAI_VOICES, ServiceConfig
+from device.audio import FORMATS
+from device.pipeline import SPEED_RANGE
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    text = {400: "invalid JSON, parameter, voice, format, speed or empty text", 404: "unknown route",
+            413: "text longer than max_text_len, too many batch items, or body too large",
+            415: "Content-Type is not application/json", 429: "per-client rate limit (Retry-After)",
+            500: "synthesis failed (recorded in the dead-letter file)",
+            503: "queue full or voice still loading (Retry-After)", 504: "deadline passed before work started"}
+    return {str(s): {"description": text[s], "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
+
+
+_AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mono little-endian). With stream=true "
+                         "the body is chunked, sentence by sentence (wav: unknown-length header, then pcm16)",
+          "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}}},
+          "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
+                      "audio/L16": {}}}
+_SYNTH_ERRORS = (400, 413, 415, 429, 500, 503, 504)
+
+
+def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def spec(config: ServiceConfig) -> dict[str, Any]:
+    speed = {"type": "number", "minimum": SPEED_RANGE[0], "maximum": SPEED_RANGE[1], "default": 1.0}
+    text = {"type": "string", "minLength": 1, "maxLength": config.max_text_len,
+            "description": "emoji and unpronounceable symbols are removed, not rejected"}
+    voice = {"type": "string", "description": "a local voice name, a numeric speaker id as text, or an alias"}
+    native = {"voice": voice, "speaker_id": {"type": "integer", "minimum": 0}, "speed": speed,
+              "deterministic": {"type": "boolean", "default": False}, "seed": {"type": "integer"}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "cosyedge", "version": "1", "description": "Offline text-to-speech on localhost"},
+        "paths": {
+            "/v1/audio/speech": {"post": {
+                "summary": "OpenAI-compatible speech",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["input"],
+                    "properties": {"model": {"type": "string", "examples": list(OPENAI_MODELS), "default": "tts-1"},
+                                   "input": text,
+                                   "voice": {**voice, "examples": list(OPENAI_VOICES)},
+                                   "response_format": {"enum": list(FORMATS), "default": "mp3"},
+                                   "speed": speed, "stream": {"type": "boolean", "default": False},
+                                   "stream_format": {"enum": ["audio"]}, "instructions": {"type": "string"}}}}}},
+                "responses": {"200": _AUDIO, **_errors(*_SYNTH_ERRORS)}}},
+            "/v1/tts": {"post": {
+                "summary": "Speak one text",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["text"],
+                    "properties": {"text": text, **native, "format": {"enum": list(FORMATS), "default": "wav"},
+                                   "stream": {"type": "boolean", "default": False}}}}}},
+                "responses": {"200": _AUDIO, **_errors(*_SYNTH_ERRORS)}}},
+            "/v1/tts/batch": {"post": {
+                "summary": "Speak many texts; each item succeeds or fails on its own",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["texts"],
+                    "properties": {"texts": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                                             "maxItems": config.max_batch_items},
+                                   **native, "format": {"enum": list(FORMATS), "default": "wav"}}}}}},
+                "responses": {"200": _json({"type": "object", "properties": {
+                    "format": {"type": "string"}, "sample_rate": {"type": "integer"}, "succeeded": {"type": "integer"},
+                    "results": {"type": "array", "items": {"type": "object", "properties": {
+                        "index": {"type": "integer"}, "ok": {"type": "boolean"},
+                        "audio": {"type": "string", "contentEncoding": "base64"}, "audio_seconds": {"type": "number"},
+                        "status": {"type": "integer"}, "error": {"$ref": "#/components/schemas/ErrorBody"}}}}}},
+                    "per-item results in input order; a failed item has ok=false, status and error"),
+                    **_errors(400, 413, 415, 429, 503)}}},
+            "/v1/audio/voices": {"get": {"summary": "Voices of the loaded bundle and the alias table",
+                                         "responses": {"200": _json({"type": "object"}), **_errors(503)}}},
+            "/v1/models": {"get": {"summary": "Accepted model names (OpenAI names and the bundle's name)",
+                                   "responses": {"200": _json({"type": "object"})}}},
+            "/healthz": {"get": {"summary": "Liveness: the process and its engine worker run",
+                                 "responses": {"200": _json({"type": "object"})}}},
+            "/readyz": {"get": {"summary": "Readiness: the voice is loaded and warmed up",
+                                "responses": {"200": _json({"type": "object"}), **_errors(503)}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics",
+                                 "responses": {"200": {"description": "text exposition format 0.0.4",
+                                                       "content": {"text/plain": {}}}}}},
+            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json({"type": "object"})}}},
+        },
+        "components": {"schemas": {
+            "ErrorBody": {"type": "object", "required": ["code", "message", "type"],
+                          "properties": {"code": {"type": "string"}, "message": {"type": "string"},
+                                         "type": {"type": "string"}}},
+            "Error": {"type": "object", "required": ["error"],
+                      "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}}},
+        }},
+    }

@@ -1,0 +1,68 @@
+"""`cosyedge serve`: waitress (threads) in one process, systemd readiness and watchdog.
+
+The HTTP server starts first so /healthz answers while the voice loads; READY=1 goes to systemd
+only after the engine is loaded and one request has gone through the batch queue. WATCHDOG=1
+pings come from the engine worker's loop, so a hung engine makes systemd restart the service.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from api.app import create_app
+from api.config import ServiceConfig
+from api.sdnotify import notify, watchdog_interval
+
+log = logging.getLogger("cosyedge.serve")
+
+
+class _Stop(Exception):
+    """Raised in the main thread by SIGTERM/SIGINT."""
+
+
+def make_server(app: Any, host: str, port: int, threads: int):
+    """A waitress server; `channel_request_lookahead` keeps reading so a client that leaves is noticed."""
+    from waitress import create_server
+    return create_server(app, host=host, port=port, threads=threads, channel_request_lookahead=1,
+                         ident="cosyedge", asyncore_use_poll=True, connection_limit=max(100, threads * 4))
+
+
+def serve(config: ServiceConfig) -> int:
+    from device.engine import BatchOptions, Engine
+
+    app = create_app(config)
+    service = app.extensions["cosyedge"]
+    server = make_server(app, config.host, config.effective_port, config.http_threads)
+    port = server.effective_port
+    log.info("listening on http://%s:%s (voice loading)", config.host, port)
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise _Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    threading.Thread(target=server.run, name="cosyedge-http", daemon=True).start()
+    try:
+        notify(f"STATUS=loading voice; listening on {config.host}:{port}")
+        options = BatchOptions(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
+        engine = Engine.load(config.bundle, precision=config.precision, options=options)
+        interval = watchdog_interval()
+        warm = service.start(engine, heartbeat=(lambda: notify("WATCHDOG=1")) if interval else None,
+                             heartbeat_interval=interval)
+        notify(f"READY=1\nSTATUS=ready: {engine.bundle.manifest.name} on {config.host}:{port}")
+        log.info("ready: %s (%s), warm-up through the queue %.2f s", engine.bundle.manifest.name, engine.precision, warm)
+        threading.Event().wait()
+    except _Stop as why:
+        log.info("stopping (%s)", why)
+        return 0
+    except Exception as exc:  # noqa: BLE001 - one readable line, then systemd restarts us
+        print(f"cosyedge: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        notify("STOPPING=1")
+        service.stop()
+        server.close()
+    return 0

@@ -1,0 +1,150 @@
+"""Streaming responses: sentences go through the batch queue one at a time and leave as soon as made.
+
+pcm is sent raw, wav as an unknown-length header then pcm16, the compressed formats through one
+ffmpeg process per stream (so mp3/opus frames continue across sentences). The generator waits on
+one event queue fed by the batch futures and the ffmpeg reader, never on a sleep. When the client
+goes away, waitress closes the generator (or `disconnected()` says so): the pending sentence is
+withdrawn and no further sentence is submitted.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import subprocess
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Iterator
+
+import numpy as np
+
+from api.batcher import BatchQueue, SynthesisError
+from api.errors import DeadlineExceeded
+from api.metrics import Metrics
+from device.audio import streaming_wav_header, to_pcm16
+from device.pipeline import Request, Unit
+
+log = logging.getLogger(__name__)
+
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+
+
+def _ffmpeg_output(fmt: str, sample_rate: int) -> list[str]:
+    if fmt == "mp3":
+        return ["-c:a", "libmp3lame", "-b:a", "96k", "-write_xing", "0", "-f", "mp3"]
+    if fmt == "opus":
+        rate = sample_rate if sample_rate in OPUS_RATES else (48000 if sample_rate > 24000 else 24000)
+        return ["-ar", str(rate), "-c:a", "libopus", "-b:a", "48k", "-page_duration", "100000", "-f", "ogg"]
+    if fmt == "aac":
+        return ["-c:a", "aac", "-b:a", "96k", "-f", "adts"]
+    if fmt == "flac":
+        return ["-c:a", "flac", "-f", "flac"]
+    raise ValueError(f"no streaming encoder for {fmt!r}")
+
+
+class FfmpegEncoder:
+    """One ffmpeg process: pcm16 in on stdin, encoded bytes out through `sink(("data", bytes))`."""
+
+    def __init__(self, fmt: str, sample_rate: int, sink: Callable[[tuple], None]) -> None:
+        args = ["ffmpeg", "-hide_banner", "-loglevel", "error", "-f", "s16le", "-ar", str(sample_rate), "-ac", "1",
+                "-i", "pipe:0", *_ffmpeg_output(fmt, sample_rate), "-flush_packets", "1", "pipe:1"]
+        self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self._sink = sink
+        self._reader = threading.Thread(target=self._pump, name="cosyedge-ffmpeg-reader", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        while chunk := self._proc.stdout.read1(65536):
+            self._sink(("data", chunk))
+        self._sink(("eof", None))
+
+    def write(self, pcm: bytes) -> None:
+        try:
+            self._proc.stdin.write(pcm)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise SynthesisError("ffmpeg: encoder stopped accepting audio") from None
+
+    def finish(self) -> None:
+        self._proc.stdin.close()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._reader.join(timeout=5)
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe and not pipe.closed:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+
+def audio_stream(batcher: BatchQueue, metrics: Metrics, units: list[Unit], request: Request, fmt: str,
+                 sample_rate: int, first: np.ndarray, timeout: float, disconnected: Callable[[], bool],
+                 on_failure: Callable[[SynthesisError], None]) -> Iterator[bytes]:
+    """The response body of a stream whose first sentence (`first`) is already rendered."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    encoder = FfmpegEncoder(fmt, sample_rate, events.put) if fmt not in ("pcm", "wav") else None
+    pending: Future | None = None
+    sent = 0
+    finished = False
+
+    def submit(index: int) -> Future:
+        future = batcher.submit([([units[index]], request)], time.monotonic() + timeout, admitted=True)[0]
+        future.add_done_callback(lambda f: events.put(("wave", f)))
+        return future
+
+    def until_wave() -> Iterator[bytes]:
+        """Forward encoder output until the pending sentence is done."""
+        while True:
+            kind, payload = events.get()
+            if kind == "data":
+                yield payload
+            elif kind == "wave" and payload is pending:
+                return
+            elif kind == "eof":
+                raise SynthesisError("ffmpeg: encoder exited early")
+
+    try:
+        if fmt == "wav":
+            yield streaming_wav_header(sample_rate)
+        wave = first
+        while True:
+            if sent + 1 < len(units):
+                if disconnected():
+                    break
+                pending = submit(sent + 1)  # the next sentence renders while this one is sent
+            pcm = to_pcm16(wave)
+            sent += 1
+            if encoder is None:
+                yield pcm
+            else:
+                encoder.write(pcm)
+            if pending is None:
+                break
+            yield from until_wave()
+            wave, pending = pending.result(), None
+        if sent == len(units):
+            if encoder is not None:
+                encoder.finish()
+                while (event := events.get())[0] != "eof":
+                    if event[0] == "data":
+                        yield event[1]
+            finished = True
+    except SynthesisError as exc:
+        finished = True  # not a disconnect: the stream ends short, the failure is recorded
+        on_failure(exc)
+    except DeadlineExceeded:
+        finished = True
+        log.warning("stream ended short: a sentence waited past its deadline")
+    finally:
+        if not finished:
+            if pending is not None:
+                pending.cancel()
+            metrics.inc("cosyedge_stream_disconnects_total")
+            metrics.inc("cosyedge_stream_units_skipped_total", len(units) - sent)
+            log.info("stream client left after %d of %d sentences; the rest is not synthesized", sent, len(units))
+        if encoder is not None:
+            encoder.close()

@@ -1,0 +1,125 @@
+"""Helpers of the API tests: real services on 127.0.0.1, free ports, the real default voice.
+
+`fault_engine` is the real engine with the real VITS pipeline wrapped so that one special word
+fails inside render and another holds render until the test releases it: the failure happens
+where a real one would, behind the batch queue, without mocking the engine.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from api.app import create_app
+from api.config import ServiceConfig
+from api.server import make_server
+from device.engine import Engine
+from device.pipeline import Unit
+
+FAIL_WORD = "kaboom"
+HOLD_WORD = "hold"
+_FAIL, _HOLD = "\x00fail\x00", "\x00hold\x00"
+
+
+class FaultPipeline:
+    """The real pipeline; units of text with FAIL_WORD raise in render, with HOLD_WORD wait for `release`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sample_rate = inner.sample_rate
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def voices(self) -> list[str]:
+        return self.inner.voices()
+
+    def units(self, text: str) -> list[Unit]:
+        tag = _FAIL if FAIL_WORD in text.lower() else _HOLD if HOLD_WORD in text.lower() else ""
+        return [Unit(text=tag + u.text, ids=u.ids) for u in self.inner.units(text)]
+
+    def render(self, units, request) -> list[np.ndarray]:
+        if any(u.text.startswith(_FAIL) for u in units):
+            raise RuntimeError("injected failure in render")
+        if any(u.text.startswith(_HOLD) for u in units):
+            self.holding.set()
+            if not self.release.wait(60):
+                raise RuntimeError("test never released the held render")
+        return self.inner.render(units, request)
+
+    def stream(self, unit, request):
+        yield self.render([unit], request)[0]
+
+    def describe(self) -> dict:
+        return self.inner.describe()
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    app: Any
+
+    @property
+    def service(self):
+        return self.app.extensions["cosyedge"]
+
+    def request(self, method: str, path: str, body: Any = None, headers: dict | None = None,
+                timeout: float = 60) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+            hdrs = {"Content-Type": "application/json"} if data is not None else {}
+            conn.request(method, path, body=data, headers={**hdrs, **(headers or {})})
+            response = conn.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            conn.close()
+
+    def post(self, path: str, body: Any, **kwargs) -> tuple[int, dict[str, str], bytes]:
+        return self.request("POST", path, body, **kwargs)
+
+    def metric(self, name: str) -> float:
+        """Sum of a metric's samples named exactly `name` (any labels)."""
+        _, _, text = self.request("GET", "/metrics")
+        total = 0.0
+        for line in text.decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@contextmanager
+def run_server(config: ServiceConfig, engine: Engine) -> Iterator[Server]:
+    """The app served by waitress in a thread on a free port; closed (socket and loop) on exit."""
+    app = create_app(config, engine=engine)
+    server = make_server(app, "127.0.0.1", 0, config.http_threads)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        yield Server(f"http://127.0.0.1:{server.effective_port}", server.effective_port, app)
+    finally:
+        app.extensions["cosyedge"].stop()
+        server.close()
+        server.task_dispatcher.shutdown(timeout=5)
+        thread.join(timeout=5)
+
+
+def api_config(tmp: Path, **changes: Any) -> ServiceConfig:
+    values = dict(port=0, batch_timeout_ms=100, state_dir=str(tmp), http_threads=40)
+    values.update(changes)
+    return ServiceConfig(**values)
+
+
+def decode(audio: bytes, sample_rate: int = 22050) -> np.ndarray:
+    """Any container ffmpeg can read -> mono int16 samples at `sample_rate` (proves it plays)."""
+    result = subprocess.run(["ffmpeg", "-hide_banner", "-loglevel", "error", "-i", "pipe:0", "-f", "s16le",
+                             "-ac", "1", "-ar", str(sample_rate), "pipe:1"], input=audio, capture_output=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")[-500:]
+    return np.frombuffer(result.stdout, dtype="<i2")
