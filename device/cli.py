@@ -74,7 +74,19 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    if args.piper_model:
+    if (args.model_dir or args.random_init) and not args.out:
+        raise InputError("--out is required with --model-dir and --random-init")
+    if args.random_init:
+        from quantize.cosyvoice2.random_init import write_random_release
+        if not args.template:
+            raise InputError("--random-init needs --template RELEASE_DIR (tokenizer and front-end models are copied from it)")
+        path = write_random_release(args.random_init, Path(args.template), Path(args.out))
+        print(json.dumps({"release": str(path), "preset": args.random_init}))
+        return 0
+    if args.model_dir:
+        from quantize.cosyvoice2.bundle import write_bundle
+        path = write_bundle(Path(args.model_dir), Path(args.out))
+    elif args.piper_model:
         from quantize.piper import build_piper_bundle
         model = Path(args.piper_model)
         config = Path(args.piper_config or f"{model}.json")
@@ -157,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("quantize", help="build a bundle (no arguments: the embedded default voice)")
+    p.add_argument("--model-dir", help="an official CosyVoice2 release directory -> cosyvoice2 bundle")
+    p.add_argument("--random-init", metavar="PRESET", help="write a random-weight release of real size (cosyvoice2-0.5b)")
+    p.add_argument("--template", help="with --random-init: release to copy tokenizer, front-end models, spk2info from")
     p.add_argument("--piper-model", help="a Piper voice .onnx")
     p.add_argument("--piper-config", help="its .onnx.json (default: next to the model)")
     p.add_argument("--out", help="bundle directory to write")

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
-from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from device.bundle import MANIFEST, Asset, Bundle, Component, Manifest, TensorSpec, sha256_file
+from device.bundle import sha256_file
 from device.errors import ReleaseError
+from quantize.bundle_writer import TOOL_VERSION, BundleWriter, created_now
 
 log = logging.getLogger(__name__)
 
-TOOL_VERSION = "cosyedge-quantize 0.1.0"
 QUALITY_SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",
     "Please stand behind the yellow line while the train arrives.",
@@ -41,15 +37,6 @@ def _frames_tensor(model: onnx.ModelProto) -> str:
         if node.op_type == "ReduceSum" and node.input[0] in ceil_outputs:
             return node.output[0]
     raise ReleaseError("voice model: no duration (Ceil -> ReduceSum) tensor found; not a Piper VITS export")
-
-
-def _specs(values) -> tuple[TensorSpec, ...]:
-    specs = []
-    for value in values:
-        tensor = value.type.tensor_type
-        shape = tuple(d.dim_param or d.dim_value for d in tensor.shape.dim)
-        specs.append(TensorSpec(value.name, onnx.TensorProto.DataType.Name(tensor.elem_type).lower(), shape))
-    return tuple(specs)
 
 
 def _write_fp32(model_path: Path, out: Path) -> onnx.ModelProto:
@@ -84,42 +71,34 @@ def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: 
     if voice.get("phoneme_type", "espeak") != "espeak":
         raise ReleaseError(f"{config_path.name}: phoneme_type {voice.get('phoneme_type')!r} is not supported (espeak only)")
 
-    work = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    writer = BundleWriter(out)
+    work = writer.work
     started = time.perf_counter()
     model = _write_fp32(model_path, work / "vits.fp32.onnx")
     _write_int8(work / "vits.fp32.onnx", model, work / "vits.int8.onnx")
     (work / "phoneme_id_map.json").write_text(json.dumps(voice["phoneme_id_map"], ensure_ascii=False), encoding="utf-8")
-
-    graph = onnx.load(str(work / "vits.fp32.onnx"), load_external_data=False).graph
-    components = tuple(Component("vits", precision, f"vits.{precision}.onnx", sha256_file(work / f"vits.{precision}.onnx"),
-                                 _specs(graph.input), _specs(graph.output)) for precision in ("fp32", "int8"))
+    for precision in ("fp32", "int8"):
+        writer.add_component("vits", precision, f"vits.{precision}.onnx")
+    writer.add_asset("phoneme_id_map", "phoneme_id_map.json")
     speakers = sorted(voice.get("speaker_id_map", {}), key=voice.get("speaker_id_map", {}).get) or [voice.get("dataset", "default")]
     inference = voice.get("inference", {})
-    manifest = Manifest(
+    fields = dict(
         family="vits", name=f"piper-{voice.get('language', {}).get('code', 'xx')}-{voice.get('dataset', model_path.stem)}",
-        sample_rate=sample_rate, components=components,
-        assets=(Asset("phoneme_id_map", "phoneme_id_map.json", sha256_file(work / "phoneme_id_map.json")),),
-        voices=tuple(speakers), default_precision="fp32",
+        sample_rate=sample_rate, voices=tuple(speakers), default_precision="fp32",
         config={"espeak_voice": espeak_voice, "noise_scale": inference.get("noise_scale", 0.667),
                 "length_scale": inference.get("length_scale", 1.0), "noise_w": inference.get("noise_w", 0.8),
                 "hop_length": 256},
         provenance={"source_model": model_path.name, "source_model_sha256": sha256_file(model_path),
                     "source_config": config_path.name, "source_config_sha256": sha256_file(config_path),
-                    "tool_version": TOOL_VERSION, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "tool_version": TOOL_VERSION, "created": created_now(),
                     "int8_method": "onnxruntime dynamic int8 weights (MatMul, Conv) in flow and decoder; "
                                    "text encoder and duration predictor fp32"},
     )
-    (work / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
+    writer.write_manifest(**fields)
     if measure:
-        manifest = replace(manifest, **_measure(work))
-        (work / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
+        writer.write_manifest(**(fields | _measure(work)))
     log.info("built %s in %.1f s", out.name, time.perf_counter() - started)
-    if out.exists():
-        shutil.rmtree(out)
-    work.rename(out)
-    return out
+    return writer.commit()
 
 
 def _measure(root: Path) -> dict:

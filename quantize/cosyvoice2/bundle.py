@@ -1,0 +1,144 @@
+"""Official CosyVoice2 release -> `cosyvoice2` bundle (fp32 graphs; layout in docs/bundle_cosyvoice2.md).
+
+Every stage is loaded strictly from the release, exported to ONNX, and checked once more by
+loading the finished bundle with the device runtime's validator.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from device.bundle import Bundle, sha256_file
+from device.errors import ReleaseError
+from quantize.bundle_writer import TOOL_VERSION, BundleWriter, created_now
+from quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
+from quantize.cosyvoice2.hift import build_hift, export_hift
+from quantize.cosyvoice2.llm import LLMConfig, build_llm, embedding_tables, export_llm
+from quantize.cosyvoice2.release import YAML_NAME, Release
+from quantize.cosyvoice2.tokenizer import write_tokenizer_json
+
+log = logging.getLogger(__name__)
+
+ONNX_STAND_INS = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v2.onnx"}
+STREAM = {"hops": [25, 50, 100], "lookahead": 3, "mel_cache_frames": 8, "source_cache_samples": 3840,
+          "crossfade_samples": 3840}
+
+
+def _sampling(hparams: dict[str, Any]) -> dict[str, float]:
+    node = hparams["llm"].get("sampling")
+    args = getattr(node, "args", None) or {}
+    try:
+        return {"top_p": float(args["top_p"]), "top_k": int(args["top_k"]), "win_size": int(args["win_size"]),
+                "tau_r": float(args["tau_r"])}
+    except (KeyError, TypeError, ValueError):
+        raise ReleaseError(f"{YAML_NAME}: llm.sampling must give top_p, top_k, win_size and tau_r") from None
+
+
+def _mel_config(hparams: dict[str, Any]) -> dict[str, Any]:
+    mel = hparams.get("feat_extractor")
+    args = getattr(mel, "args", None) or {}
+    try:
+        return {"n_fft": int(args["n_fft"]), "hop": int(args["hop_size"]), "win": int(args["win_size"]),
+                "n_mels": int(args["num_mels"]), "fmin": float(args["fmin"]),
+                "fmax": None if args.get("fmax") is None else float(args["fmax"]),
+                "sample_rate": int(args["sampling_rate"])}
+    except (KeyError, TypeError, ValueError):
+        raise ReleaseError(f"{YAML_NAME}: feat_extractor must give n_fft, hop_size, win_size, num_mels, fmin, fmax, "
+                           "sampling_rate") from None
+
+
+def _voices(release: Release, work: Path, tokenizer_json: Path) -> list[tuple[str, str]]:
+    """spk2info entries -> voices/<name>.npz; returns (name, file) pairs in spk2info order."""
+    if not release.has_spk2info:
+        return []
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    try:
+        spk2info = torch.load(release.root / "spk2info.pt", map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a broken file
+        raise ReleaseError(f"spk2info.pt: cannot be read ({type(exc).__name__})") from None
+    (work / "voices").mkdir()
+    out = []
+    for name, entry in spk2info.items():
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(name))
+        flat = {k: v.detach().cpu().numpy().reshape(-1) if k != "prompt_speech_feat" else v.detach().cpu().numpy()[0]
+                for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        if "llm_prompt_speech_token" in flat:
+            ids = flat["prompt_text"].astype(np.int64)
+            arrays = {"kind": np.array("zero_shot"), "prompt_text": np.array(tokenizer.decode(ids.tolist())),
+                      "prompt_text_ids": ids,
+                      "llm_prompt_speech_token": flat["llm_prompt_speech_token"].astype(np.int64),
+                      "flow_prompt_speech_token": flat["flow_prompt_speech_token"].astype(np.int64),
+                      "prompt_speech_feat": flat["prompt_speech_feat"].astype(np.float32),
+                      "llm_embedding": flat["llm_embedding"].astype(np.float32),
+                      "flow_embedding": flat["flow_embedding"].astype(np.float32)}
+        elif "embedding" in flat:
+            arrays = {"kind": np.array("sft"), "embedding": flat["embedding"].astype(np.float32)}
+        else:
+            raise ReleaseError(f"spk2info.pt: entry {str(name)[:40]!r} has neither an embedding nor a zero-shot prompt")
+        rel = f"voices/{safe}.npz"
+        np.savez(work / rel, **arrays)
+        out.append((str(name), rel))
+    return out
+
+
+def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
+    """Build an fp32 `cosyvoice2` bundle from an official release directory; returns the bundle path."""
+    started = time.perf_counter()
+    release = Release.open(model_dir)
+    llm_config, flow_config = LLMConfig.from_release(release.hparams, release.qwen_config), FlowConfig.from_hparams(release.hparams)
+    modules = {"llm": build_llm(release), "flow": build_flow(release), "hift": build_hift(release)}  # strict loads first
+    writer = BundleWriter(Path(out))
+    try:
+        work = writer.work
+        timings: dict[str, float] = {}
+        for stage, export in (("llm", export_llm), ("flow", export_flow), ("hift", export_hift)):
+            t0 = time.perf_counter()
+            for name, path in export(modules[stage], work).items():
+                path.rename(work / f"{name}.fp32.onnx")
+                writer.add_component(name, "fp32", f"{name}.fp32.onnx")
+            timings[stage] = round(time.perf_counter() - t0, 2)
+        for name, file_name in ONNX_STAND_INS.items():
+            shutil.copyfile(release.root / file_name, work / f"{name}.fp32.onnx")
+            writer.add_component(name, "fp32", f"{name}.fp32.onnx")
+
+        write_tokenizer_json(release.root / "CosyVoice-BlankEN", work / "tokenizer.json")
+        writer.add_asset("tokenizer", "tokenizer.json")
+        for name, table in embedding_tables(modules["llm"]).items():
+            np.save(work / f"{name}.npy", table)
+            writer.add_asset(name, f"{name}.npy")
+        np.save(work / "cfm_noise.npy", fixed_noise())
+        writer.add_asset("cfm_noise", "cfm_noise.npy")
+        voices = _voices(release, work, work / "tokenizer.json")
+        for name, rel in voices:
+            writer.add_asset(f"voice:{name}", rel)
+        del modules
+
+        source_files = sorted(p for p in release.root.rglob("*") if p.is_file() and p.suffix in (".pt", ".onnx", ".yaml", ".json", ".txt"))
+        writer.write_manifest(
+            family="cosyvoice2", name=release.root.name, sample_rate=int(release.hparams["sample_rate"]),
+            voices=tuple(name for name, _ in voices), default_precision="fp32",
+            config={"speech_token_size": llm_config.speech_token_size, "eos": llm_config.eos,
+                    "stop_ids": list(llm_config.stop_ids), "min_token_text_ratio": llm_config.min_token_text_ratio,
+                    "max_token_text_ratio": llm_config.max_token_text_ratio, "sampling": _sampling(release.hparams),
+                    "token_mel_ratio": flow_config.token_mel_ratio, "pre_lookahead_len": flow_config.pre_lookahead_len,
+                    "n_timesteps": 10, "inference_cfg_rate": flow_config.inference_cfg_rate,
+                    "mel": _mel_config(release.hparams), "hift_upsample": 480, "stream": STREAM,
+                    "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30},
+            provenance={"source": release.root.name, "tool_version": TOOL_VERSION, "created": created_now(),
+                        "export_seconds": timings,
+                        "source_files": {str(p.relative_to(release.root)): sha256_file(p) for p in source_files}},
+        )
+        Bundle.load(writer.work)  # the runtime's own validator must accept what we wrote
+    except BaseException:
+        writer.abort()
+        raise
+    path = writer.commit()
+    log.info("wrote %s in %.1f s", path.name, time.perf_counter() - started)
+    return path
