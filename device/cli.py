@@ -125,6 +125,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_graphs(args: argparse.Namespace) -> int:
+    from device.bench import run_graph_bench
+    report = run_graph_bench(Path(args.bundle), precision=args.precision, tokens=args.tokens, prompt=args.prompt,
+                             threads=args.threads, repeats=args.repeats)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
     parser.add_argument("--precision", default="auto", help="fp32, fp16, int8 or auto (the bundle's measured default)")
@@ -186,6 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", action="store_true", help="skip the piper-tts reference runner")
     p.add_argument("--json", help="write the report to this file")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-graphs", help="per-graph ONNX Runtime latency of a CosyVoice bundle (pinned lengths)")
+    p.add_argument("bundle")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--tokens", type=int, default=250, help="speech tokens generated (250 = 10 s of audio)")
+    p.add_argument("--prompt", type=int, default=137, help="LLM prompt positions")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", help="also write the report to this file")
+    p.set_defaults(func=cmd_bench_graphs)
 
     from api.cli import register as register_api_commands  # `serve` and friends live with the API
     register_api_commands(sub)

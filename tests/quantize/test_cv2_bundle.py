@@ -111,3 +111,12 @@ def test_full_size_preset_yaml_has_the_real_sizes(tiny_release, tmp_path):
     assert (hp["llm_input_size"], hp["flow"]["encoder"]["num_blocks"], est["channels"], est["num_mid_blocks"],
             hp["hift"]["base_channels"]) == (896, 6, [256], 12, 512)
     assert est["static_chunk_size"] == 50  # !ref arithmetic survives
+
+
+def test_bench_graphs_reports_every_stage(tiny_release, tmp_path):
+    from device.bench import run_graph_bench
+    report = run_graph_bench(write_bundle(tiny_release, tmp_path / "b"), tokens=12, prompt=9, threads=1, repeats=1)
+    assert set(report["graph_ms"]) == {"llm_prefill", "llm_decode_per_token", "flow_encoder", "flow_estimator_call",
+                                       "hift_source", "hift_decoder"}
+    assert all(v > 0 for v in report["graph_ms"].values()) and report["audio_s"] == 24 * 480 / 24000
+    assert set(report["stage_s"]) == {"llm", "flow", "hift"} and report["peak_rss_mb"] > 0
