@@ -120,3 +120,19 @@ def test_bench_graphs_reports_every_stage(tiny_release, tmp_path):
                                        "hift_source", "hift_decoder"}
     assert all(v > 0 for v in report["graph_ms"].values()) and report["audio_s"] == 24 * 480 / 24000
     assert set(report["stage_s"]) == {"llm", "flow", "hift"} and report["peak_rss_mb"] > 0
+
+
+def test_legacy_weight_norm_keys_load_the_same(release_copy):
+    """Releases saved by older torch use weight_g / weight_v; both styles give the same HiFT weights."""
+    from quantize.cosyvoice2.release import Release
+    new_style = Release.open(release_copy).checkpoint("hift.pt")
+    state = torch.load(release_copy / "hift.pt", weights_only=True)
+    legacy = {}
+    for key, value in state.items():
+        key = key.replace(".parametrizations.weight.original0", ".weight_g").replace(".parametrizations.weight.original1", ".weight_v")
+        legacy["generator." + key] = value  # HiFiGan-trainer checkpoints also carry this prefix
+    torch.save(legacy, release_copy / "hift.pt")
+    old_style = Release.open(release_copy).checkpoint("hift.pt")
+    assert set(old_style) == set(new_style)
+    for key in new_style:
+        torch.testing.assert_close(old_style[key], new_style[key], rtol=0, atol=0)
