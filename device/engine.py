@@ -37,6 +37,9 @@ def _load_pipeline(bundle: Bundle, precision: str, sessions: SessionConfig) -> P
     if family == "vits":
         from device.vits import VitsPipeline
         return VitsPipeline(bundle, precision, sessions)
+    if family == "cosyvoice2":
+        from device.cosyvoice2.pipeline import CosyVoice2Pipeline
+        return CosyVoice2Pipeline(bundle, precision, sessions)
     raise BundleError(f"bundle {bundle.root.name!r}: family {family!r} is not supported by this runtime yet")
 
 
@@ -87,7 +90,8 @@ class Engine:
 
     # -- request validation -----------------------------------------------------------------
     def request(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,
-                seed: int | None = None, sampling: str = "default") -> Request:
+                seed: int | None = None, sampling: str = "default", mode: str | None = None,
+                instruct_text: str | None = None) -> Request:
         """Validate per-request options once; the result is immutable and private to the request."""
         voices = self.voices()
         if voice is None or voice == "":
@@ -111,10 +115,24 @@ class Engine:
             raise InputError(f"speed {speed} is out of range {SPEED_RANGE[0]}-{SPEED_RANGE[1]}")
         if sampling not in ("default", "greedy"):
             raise InputError(f"unknown sampling {sampling!r}; choose default or greedy")
-        return Request(voice=name, speed=speed, deterministic=deterministic, seed=seed, sampling=sampling)
+        if instruct_text is not None and not isinstance(instruct_text, str):
+            raise InputError("instruct_text must be a string")
+        request = Request(voice=name, speed=speed, deterministic=deterministic, seed=seed, sampling=sampling,
+                          mode=mode or None, instruct_text=instruct_text or None)
+        check = getattr(self.pipeline, "check_request", None)  # family-specific options (modes, instruct text)
+        if check is not None:
+            check(request)
+        elif request.mode is not None or request.instruct_text is not None:
+            raise InputError("this bundle's model family has no modes or instruct text")
+        return request
 
     def units(self, text: object) -> list[Unit]:
-        return self.pipeline.units(textmod.validate(text, self.options.max_text_len))
+        return self.pipeline.units(self._validate_text(text, self.options.max_text_len))
+
+    def _validate_text(self, text: object, max_chars: int) -> str:
+        """The generic checks and clean-up, or the pipeline's own (`validate_text`) when its frontend needs raw text."""
+        own = getattr(self.pipeline, "validate_text", None)
+        return own(text, max_chars) if own is not None else textmod.validate(text, max_chars)
 
     # -- synthesis --------------------------------------------------------------------------
     def synthesize_array(self, text: str, **request_options) -> np.ndarray:
@@ -158,6 +176,6 @@ class Engine:
         """Many texts, batched across texts; the list comes back in input order."""
         options = options or self.options
         request = self.request(voice=voice, speed=speed, **request_options)
-        jobs = [(self.pipeline.units(textmod.validate(t, options.max_text_len)), request) for t in texts]
+        jobs = [(self.pipeline.units(self._validate_text(t, options.max_text_len)), request) for t in texts]
         engine = self if options == self.options else Engine(self.bundle, self.pipeline, self.precision, options)
         return [to_segment(wave, self.sample_rate) for wave in engine.render_requests(jobs)]

@@ -22,6 +22,8 @@ class Request:
     deterministic: bool = False
     seed: int | None = None
     sampling: str = "default"  # "default" (the release's sampler) or "greedy"
+    mode: str | None = None  # CosyVoice: zero_shot, sft, cross_lingual, instruct2 (None = the voice's default)
+    instruct_text: str | None = None  # CosyVoice instruct2: how to speak ("用四川话说这句话")
 
 
 @dataclass(frozen=True)

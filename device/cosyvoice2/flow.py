@@ -1,0 +1,112 @@
+"""CosyVoice2 flow on ONNX Runtime: speech tokens -> mel with the numpy Euler loop around the estimator graph.
+
+Graph signatures and the exact Euler recipe: quantize/cosyvoice2/flow.py. The CFM noise is the bundle's fixed
+tensor (the official seed-0 draw) sliced to the frame count, which is what makes streaming chunks reproduce the
+mel of earlier chunks. Speed changes are a linear time interpolation of the final mel (torch `interpolate`
+semantics, align_corners=False), as the official non-streaming path does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from device.errors import InputError
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    """Flow constants from `manifest.config`."""
+    token_mel_ratio: int
+    pre_lookahead_len: int
+    n_timesteps: int
+    inference_cfg_rate: float
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "FlowConfig":
+        return cls(token_mel_ratio=int(cfg["token_mel_ratio"]), pre_lookahead_len=int(cfg["pre_lookahead_len"]),
+                   n_timesteps=int(cfg["n_timesteps"]), inference_cfg_rate=float(cfg["inference_cfg_rate"]))
+
+
+@dataclass(frozen=True, eq=False)
+class FlowPrompt:
+    """What a voice gives the flow: prompt tokens [P], prompt mel [ratio*P, M] and the speaker embedding [E]."""
+    tokens: np.ndarray
+    mel: np.ndarray
+    embedding: np.ndarray
+
+
+def cosine_t_span(n_timesteps: int) -> np.ndarray:
+    """t_k = 1 - cos(pi/2 * k/n), k = 0..n, in float32 like the official schedule."""
+    return 1 - np.cos(np.linspace(0, 1, n_timesteps + 1, dtype=np.float32) * 0.5 * np.pi)
+
+
+def _flag(value: bool) -> np.ndarray:
+    return np.array([int(value)], dtype=np.int64)
+
+
+class Flow:
+    """`flow_encoder` + `flow_estimator` and the fixed CFM noise."""
+
+    def __init__(self, encoder: ort.InferenceSession, estimator: ort.InferenceSession, noise: np.ndarray,
+                 config: FlowConfig) -> None:
+        self._encoder = encoder
+        self._estimator = estimator
+        self._noise = noise
+        self.config = config
+
+    def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool) -> np.ndarray:
+        """[1, M, ratio * n] mel of the generated tokens (prompt frames removed).
+
+        finalize=False: the last `pre_lookahead_len` tokens are look-ahead context only and produce no mel.
+        """
+        c = self.config
+        parts = [prompt.tokens.reshape(-1), np.asarray(tokens, np.int64).reshape(-1)]
+        if finalize:
+            parts.append(np.zeros(c.pre_lookahead_len, np.int64))  # placeholders: the graph zero-pads
+        token = np.concatenate(parts).astype(np.int64)[None]
+        mu, spks = self._encoder.run(None, {"token": token, "embedding": prompt.embedding.reshape(1, -1),
+                                            "finalize": _flag(finalize), "streaming": _flag(streaming)})
+        frames = mu.shape[2]
+        if frames > self._noise.shape[2]:
+            raise InputError(f"the utterance needs {frames} mel frames; the flow supports at most "
+                             f"{self._noise.shape[2]}: use a shorter text or prompt")
+        cond = np.zeros_like(mu)
+        cond[0, :, :prompt.mel.shape[0]] = prompt.mel.T
+        return self.solve(mu, spks, cond, streaming)[:, :, prompt.mel.shape[0]:]
+
+    def solve(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, streaming: bool) -> np.ndarray:
+        """The official Euler solver with classifier-free guidance, float32 (t accumulated as the official loop)."""
+        c = self.config
+        t_span = cosine_t_span(c.n_timesteps)
+        rate = np.float32(c.inference_cfg_rate)
+        frames = mu.shape[2]
+        x = self._noise[:, :, :frames].astype(np.float32, copy=True)
+        zeros = np.zeros_like(mu)
+        feeds = {"mask": np.ones((2, 1, frames), np.float32), "mu": np.concatenate([mu, zeros]),
+                 "spks": np.concatenate([spks, np.zeros_like(spks)]), "cond": np.concatenate([cond, zeros]),
+                 "streaming": _flag(streaming)}
+        t, dt = t_span[0], t_span[1] - t_span[0]
+        for step in range(1, c.n_timesteps + 1):
+            (v,) = self._estimator.run(None, feeds | {"x": np.concatenate([x, x]), "t": np.full(2, t, np.float32)})
+            x = x + dt * ((1 + rate) * v[:1] - rate * v[1:])
+            t = t + dt
+            if step < c.n_timesteps:
+                dt = t_span[step + 1] - t
+        return x.astype(np.float32, copy=False)
+
+
+def stretch_mel(mel: np.ndarray, speed: float) -> np.ndarray:
+    """Linear time interpolation to int(frames / speed) frames (torch linear, align_corners=False)."""
+    frames = mel.shape[-1]
+    out = max(int(frames / speed), 1)
+    if out == frames or frames == 0:
+        return mel
+    scale = np.float32(frames / out)
+    source = np.maximum((np.arange(out, dtype=np.float32) + np.float32(0.5)) * scale - np.float32(0.5), 0)
+    left = np.minimum(source.astype(np.int64), frames - 1)
+    right = np.minimum(left + 1, frames - 1)
+    weight = np.clip(source - left.astype(np.float32), 0, 1)
+    return (mel[..., left] * (1 - weight) + mel[..., right] * weight).astype(np.float32)

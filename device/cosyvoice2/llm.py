@@ -1,0 +1,110 @@
+"""CosyVoice2 LLM on ONNX Runtime: lm_input assembly from the bundle's embedding tables and KV-cache decoding.
+
+Graph signatures: quantize/cosyvoice2/llm.py. The KV cache never round-trips through numpy: the prefill's
+`present_*` outputs stay ORT values (on the session's device) and are bound as the next step's `past_*` inputs;
+only the logits row [1, V] is copied out for sampling. Batch 1, no padding: positions are consecutive.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from device.cosyvoice2.sampling import SamplingConfig, choose_token
+
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Speech vocabulary specials and the length rule (`manifest.config`)."""
+    eos: int
+    stop_ids: frozenset[int]
+    min_token_text_ratio: float
+    max_token_text_ratio: float
+    sampling: SamplingConfig
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "DecodeConfig":
+        return cls(eos=int(cfg["eos"]), stop_ids=frozenset(int(i) for i in cfg["stop_ids"]),
+                   min_token_text_ratio=float(cfg["min_token_text_ratio"]),
+                   max_token_text_ratio=float(cfg["max_token_text_ratio"]),
+                   sampling=SamplingConfig.from_config(cfg["sampling"]))
+
+    def min_max_len(self, n_text_tokens: int) -> tuple[int, int]:
+        """Official limits, counted over the target text tokens only (prompt text excluded)."""
+        return int(n_text_tokens * self.min_token_text_ratio), int(n_text_tokens * self.max_token_text_ratio)
+
+
+def _device(session: ort.InferenceSession) -> str:
+    return "cuda" if session.get_providers()[0] in _GPU_PROVIDERS else "cpu"
+
+
+class SpeechLM:
+    """The `llm_prefill` / `llm_decode` pair with the embedding tables the runtime gathers from."""
+
+    def __init__(self, prefill: ort.InferenceSession, decode: ort.InferenceSession, embed_tokens: Path,
+                 speech_embedding: Path, llm_embedding: Path, config: DecodeConfig) -> None:
+        self._prefill = prefill
+        self._decode = decode
+        self._embed_tokens = np.load(embed_tokens, mmap_mode="r")  # 544 MB at full size: rows read on demand
+        self._speech_embedding = np.load(speech_embedding)
+        self._llm_embedding = np.load(llm_embedding)
+        self.config = config
+        self._kv_device = _device(decode)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self._llm_embedding.shape[1])
+
+    def lm_input(self, text: Sequence[int], prompt_text: Sequence[int] = (),
+                 prompt_speech: Sequence[int] = ()) -> np.ndarray:
+        """[1, L, H]: sos, embed(prompt_text ++ text), task_id, speech_embedding(prompt speech tokens)."""
+        ids = np.asarray([*prompt_text, *text], dtype=np.int64)
+        speech = np.asarray(prompt_speech, dtype=np.int64)
+        rows = [self._llm_embedding[0:1], np.asarray(self._embed_tokens[ids], np.float32),
+                self._llm_embedding[1:2], self._speech_embedding[speech]]
+        return np.concatenate(rows, axis=0)[None].astype(np.float32, copy=False)
+
+    def tokens(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool,
+               rng: np.random.Generator) -> Iterator[int]:
+        """Generated speech tokens, each yielded as soon as it is chosen (stop tokens are not yielded)."""
+        cfg = self.config
+        min_len, max_len = cfg.min_max_len(n_text_tokens)
+        length = lm_input.shape[1]
+        logits, key, value = self._run(self._prefill, {"inputs_embeds": lm_input,
+                                                       "attention_mask": np.ones((1, length), np.int64)})
+        history: list[int] = []
+        for step in range(max_len):
+            token = choose_token(logits, step, min_len, cfg.eos, history, greedy, cfg.sampling, rng)
+            if token in cfg.stop_ids:
+                return
+            history.append(token)
+            yield token
+            if step + 1 == max_len:
+                return
+            position = length + step
+            logits, key, value = self._run(self._decode, {
+                "inputs_embeds": self._speech_embedding[token][None, None],
+                "attention_mask": np.ones((1, position + 1), np.int64),
+                "position_ids": np.array([[position]], np.int64)}, key, value)
+
+    def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], past_key: ort.OrtValue | None = None,
+             past_value: ort.OrtValue | None = None) -> tuple[np.ndarray, ort.OrtValue, ort.OrtValue]:
+        """One graph call with IO binding: the cache stays an ORT value on the session's device."""
+        binding = session.io_binding()
+        arrays = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run
+        for name, array in arrays.items():
+            binding.bind_cpu_input(name, array)
+        if past_key is not None:
+            binding.bind_ortvalue_input("past_key", past_key)
+            binding.bind_ortvalue_input("past_value", past_value)
+        binding.bind_output("logits", "cpu")
+        binding.bind_output("present_key", self._kv_device)
+        binding.bind_output("present_value", self._kv_device)
+        session.run_with_iobinding(binding)
+        logits, key, value = binding.get_outputs()
+        return logits.numpy()[0], key, value

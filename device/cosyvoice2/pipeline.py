@@ -1,0 +1,159 @@
+"""CosyVoice2 bundles: text -> BPE ids -> speech tokens (LLM) -> mel (flow) -> 24 kHz waveform (HiFT).
+
+Torch-free: numpy + ONNX Runtime only. Every per-request value (voice inputs, random generator, streaming
+caches and chunk offsets) lives in local variables of the call; the pipeline holds only read-only tables and
+the ORT sessions, so any number of request threads may share it.
+
+Randomness: one `numpy.random.Generator` per call, seeded by `request.seed` (fresh entropy when None), drives the
+RAS sampler and, unless the request is deterministic, the NSF source noise. `sampling="greedy"` takes the argmax
+after the eos rule; `deterministic` switches the source noise off. Both together reproduce the official greedy,
+noise-free output.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from device import text as textmod
+from device.bundle import Bundle
+from device.cosyvoice2.flow import Flow, FlowConfig, stretch_mel
+from device.cosyvoice2.frontend import TextFrontend
+from device.cosyvoice2.llm import DecodeConfig, SpeechLM
+from device.cosyvoice2.streaming import stream_tokens
+from device.cosyvoice2.vocoder import StreamConfig, Vocoder
+from device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
+from device.errors import BundleError, InputError, UnknownVoiceError
+from device.pipeline import Request, Unit
+from device.sessions import SessionConfig, create_session
+
+log = logging.getLogger(__name__)
+
+STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+
+
+class CosyVoice2Pipeline:
+    """One CosyVoice2 bundle: sessions and tables shared, everything per request passed in."""
+
+    def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
+        manifest = bundle.manifest
+        cfg = manifest.config
+        self.sample_rate = manifest.sample_rate
+        self._frontend = TextFrontend(bundle.asset("tokenizer"))
+        self._frontend_lock = threading.Lock()  # the wetext normalisers are built lazily and are not known thread-safe
+        self._precision = {name: self._stage_precision(bundle, name, precision) for name in STAGES}
+        self._sessions = {name: create_session(bundle.path(bundle.component(name, p).file), sessions)
+                          for name, p in self._precision.items()}
+        s = self._sessions
+        try:
+            self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
+                                bundle.asset("speech_embedding"), bundle.asset("llm_embedding"),
+                                DecodeConfig.from_config(cfg))
+            self._flow = Flow(s["flow_encoder"], s["flow_estimator"], np.load(bundle.asset("cfm_noise")),
+                              FlowConfig.from_config(cfg))
+            self._vocoder = Vocoder(s["hift_source"], s["hift_decoder"], int(cfg["hift_upsample"]))
+            self._stream_config = StreamConfig.from_config(cfg["stream"])
+            self._mel_bins = int(cfg["mel"]["n_mels"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BundleError(f"bundle {bundle.root.name!r}: manifest config is incomplete ({type(exc).__name__}: "
+                              f"{exc}); re-create the bundle") from None
+        self._voices = {name: Voice.load(name, bundle.asset(f"voice:{name}")) for name in manifest.voices}
+        if not self._voices:
+            raise BundleError(f"bundle {bundle.root.name!r} has no voices; register one or re-create the bundle")
+
+    @staticmethod
+    def _stage_precision(bundle: Bundle, name: str, precision: str) -> str:
+        """The requested precision where the bundle has it for this stage, else fp32 (stages quantise unevenly)."""
+        have = {c.precision for c in bundle.manifest.components if c.name == name}
+        if precision in have:
+            return precision
+        if "fp32" in have:
+            return "fp32"
+        raise BundleError(f"bundle {bundle.root.name!r} has no {precision} or fp32 graph {name!r}")
+
+    # -- Pipeline protocol ------------------------------------------------------------------
+    def voices(self) -> list[str]:
+        return list(self._voices)
+
+    def validate_text(self, text: object, max_chars: int) -> str:
+        """The engine's checks (type, empty, length, something speakable), but the raw text is kept: the
+        CosyVoice2 frontend normalises it itself, and the generic NFKC pass would change its tokens."""
+        textmod.validate(text, max_chars)
+        return str(text)
+
+    def check_request(self, request: Request) -> None:
+        """Refuse mode / voice combinations up front (InputError), before any work is queued."""
+        self._mode_inputs(request)
+
+    def units(self, text: str) -> list[Unit]:
+        with self._frontend_lock:
+            segments = self._frontend.normalize(text, split=True)
+        units = [Unit(text=segment, ids=tuple(self._frontend.encode(segment))) for segment in segments]
+        units = [unit for unit in units if unit.ids]
+        if not units:
+            raise InputError("text contains nothing speakable for this voice")
+        return units
+
+    def render(self, units: Sequence[Unit], request: Request) -> list[np.ndarray]:
+        inputs = self._mode_inputs(request)
+        rng = np.random.default_rng(request.seed)
+        waves = []
+        for unit in units:
+            tokens = np.fromiter(self._tokens(unit, inputs, request, rng), dtype=np.int64)
+            if tokens.size == 0:
+                waves.append(np.zeros(0, np.float32))
+                continue
+            mel = self._flow.mel(inputs.flow, tokens, finalize=True, streaming=False)
+            if request.speed != 1.0:
+                mel = stretch_mel(mel, request.speed)
+            waves.append(self._vocoder(mel, None if request.deterministic else rng))
+        return waves
+
+    def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:
+        if request.speed != 1.0:  # the official streaming path has no speed change: render the unit whole
+            yield from self.render([unit], request)
+            return
+        inputs = self._mode_inputs(request)
+        rng = np.random.default_rng(request.seed)
+        yield from self.stream_tokens(self._tokens(unit, inputs, request, rng), request, rng)
+
+    def describe(self) -> dict[str, Any]:
+        return {"family": "cosyvoice2", "precision": dict(self._precision),
+                "providers": {name: s.get_providers()[0] for name, s in self._sessions.items()},
+                "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(MODES),
+                "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._stream_config)}
+
+    # -- building blocks (also used by tests and tools) -------------------------------------
+    def speech_tokens(self, unit: Unit, request: Request, rng: np.random.Generator | None = None) -> list[int]:
+        """The LLM's speech tokens for one unit (greedy ones are reproducible: the golden tests compare them)."""
+        rng = rng if rng is not None else np.random.default_rng(request.seed)
+        return list(self._tokens(unit, self._mode_inputs(request), request, rng))
+
+    def stream_tokens(self, tokens: Iterable[int], request: Request,
+                      rng: np.random.Generator | None = None) -> Iterator[np.ndarray]:
+        """Streaming synthesis of a given token stream (any source) in the request's voice and mode."""
+        inputs = self._mode_inputs(request)
+        if not request.deterministic and rng is None:
+            rng = np.random.default_rng(request.seed)
+        yield from stream_tokens(tokens, inputs.flow, self._flow, self._vocoder, self._stream_config,
+                                 None if request.deterministic else rng)
+
+    def _tokens(self, unit: Unit, inputs: ModeInputs, request: Request, rng: np.random.Generator) -> Iterator[int]:
+        lm_input = self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech)
+        return self._lm.tokens(lm_input, len(unit.ids), request.sampling == "greedy", rng)
+
+    def _mode_inputs(self, request: Request) -> ModeInputs:
+        voice = self._voices.get(request.voice)
+        if voice is None:
+            raise UnknownVoiceError(f"unknown voice {request.voice[:64]!r}; available: {', '.join(self._voices)}")
+        instruct = request.instruct_text or ""
+        mode = request.mode or ("instruct2" if instruct else None)
+        if instruct and mode != "instruct2":
+            raise InputError(f"an instruct text is only used by mode 'instruct2', not {mode!r}")
+        if instruct and not instruct.endswith(END_OF_PROMPT):
+            instruct += END_OF_PROMPT  # the LLM was trained with the marker; the official caller must add it
+        instruct_ids = tuple(self._frontend.encode(instruct)) if instruct else ()
+        return voice.inputs(mode, instruct_ids, self._mel_bins)

@@ -1,0 +1,70 @@
+"""CosyVoice2 streaming: when a chunk of speech tokens is ready, and how it becomes audio.
+
+Official v2 schedule, kept per request (the official model stores the hop on the shared instance and never
+resets it; here every request starts again at the first hop): the first hop is hops[0] + pad, where pad brings
+prompt + first hop to a hops[0] boundary; later hops follow `hops` (25, 50, 100, 100, ...). A chunk is made when
+the tokens not yet voiced reach hop + look-ahead; the flow then re-runs on tokens[:offset + hop + look-ahead]
+(streaming attention, finalize off: the look-ahead tokens are context only) and the new mel starts at
+ratio * offset. When the LLM stops, one final call voices every remaining token (finalize on, full attention).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from device.cosyvoice2.flow import Flow, FlowPrompt
+from device.cosyvoice2.vocoder import StreamConfig, Vocoder, VocoderStream
+
+
+class ChunkSchedule:
+    """Token offsets of one streaming request."""
+
+    def __init__(self, prompt_tokens: int, config: StreamConfig) -> None:
+        first = config.hops[0]
+        self._config = config
+        self._pad = math.ceil(prompt_tokens / first) * first - prompt_tokens
+        self._index = 0
+        self.offset = 0
+
+    @property
+    def hop(self) -> int:
+        """Tokens voiced by the next non-final chunk."""
+        hops = self._config.hops
+        hop = hops[min(self._index, len(hops) - 1)]
+        return hop + self._pad if self._index == 0 else hop
+
+    def ready(self, available: int) -> int | None:
+        """Tokens to give the flow if a chunk can be made from `available` tokens, else None."""
+        needed = self.hop + self._config.lookahead
+        return self.offset + needed if available - self.offset >= needed else None
+
+    def advance(self) -> None:
+        self.offset += self.hop
+        self._index += 1
+
+
+def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder: Vocoder, config: StreamConfig,
+                  rng: np.random.Generator | None) -> Iterator[np.ndarray]:
+    """Waveform chunks for a token stream, each yielded as soon as its tokens have arrived.
+
+    `tokens` is consumed lazily (the LLM decoder, or any token source), so decoding and chunk emission interleave
+    in the caller's thread; rng None switches the NSF noise off.
+    """
+    ratio = flow.config.token_mel_ratio
+    schedule = ChunkSchedule(len(prompt.tokens), config)
+    hift = VocoderStream(vocoder, config, rng)
+    got: list[int] = []
+    for token in tokens:
+        got.append(int(token))
+        size = schedule.ready(len(got))
+        if size is None:
+            continue
+        mel = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
+        yield hift.chunk(mel[:, :, ratio * schedule.offset:], final=False)
+        schedule.advance()
+    if not got:
+        return
+    mel = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
+    yield hift.chunk(mel[:, :, ratio * schedule.offset:], final=True)

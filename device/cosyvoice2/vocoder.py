@@ -1,0 +1,94 @@
+"""CosyVoice2 HiFT vocoder on ONNX Runtime, and its per-request streaming cache.
+
+Graph signatures: quantize/cosyvoice2/hift.py. The NSF source noise is an input: zeros for deterministic
+requests, else a standard normal draw from the request's own generator.
+
+Streaming (official v2 rules): each chunk's mel is prefixed with the last `mel_cache_frames` mel frames of the
+previous HiFT input; the first `source_cache_samples` samples of the new source are replaced by the previous
+source's tail; the first `crossfade_samples` output samples are cross-faded with the previous output tail using
+a Hamming window of twice that length (first half on the new samples, second half on the cached ones); a
+non-final chunk keeps its last `crossfade_samples` samples back for the next cross-fade.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Streaming constants (`manifest.config["stream"]`)."""
+    hops: tuple[int, ...]
+    lookahead: int
+    mel_cache_frames: int
+    source_cache_samples: int
+    crossfade_samples: int
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "StreamConfig":
+        return cls(hops=tuple(int(h) for h in cfg["hops"]), lookahead=int(cfg["lookahead"]),
+                   mel_cache_frames=int(cfg["mel_cache_frames"]), source_cache_samples=int(cfg["source_cache_samples"]),
+                   crossfade_samples=int(cfg["crossfade_samples"]))
+
+
+class Vocoder:
+    """`hift_source` then `hift_decoder`."""
+
+    def __init__(self, source: ort.InferenceSession, decoder: ort.InferenceSession, samples_per_frame: int) -> None:
+        self._source = source
+        self._decoder = decoder
+        self.samples_per_frame = samples_per_frame
+        self._harmonics = int({i.name: i for i in source.get_inputs()}["noise"].shape[2])
+
+    def source(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        """[1, 1, frames * U] NSF excitation; rng None = noise switched off (deterministic)."""
+        shape = (mel.shape[0], mel.shape[2] * self.samples_per_frame, self._harmonics)
+        noise = np.zeros(shape, np.float32) if rng is None else rng.standard_normal(shape, dtype=np.float32)
+        source, _f0 = self._source.run(None, {"mel": mel, "noise": noise})
+        return source
+
+    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray:
+        (speech,) = self._decoder.run(None, {"mel": mel, "source": source})
+        return speech
+
+    def __call__(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+        """[1, M, T] mel -> [T * U] float32 waveform (non-streaming)."""
+        mel = np.ascontiguousarray(mel, np.float32)
+        return self.decode(mel, self.source(mel, rng))[0]
+
+
+class VocoderStream:
+    """The HiFT caches of ONE streaming request (never shared between requests)."""
+
+    def __init__(self, vocoder: Vocoder, config: StreamConfig, rng: np.random.Generator | None) -> None:
+        self._vocoder = vocoder
+        self._config = config
+        self._rng = rng
+        self._window = np.hamming(2 * config.crossfade_samples)  # float64, as the official cross-fade
+        self._mel: np.ndarray | None = None
+        self._source: np.ndarray | None = None
+        self._speech: np.ndarray | None = None
+
+    def chunk(self, mel: np.ndarray, final: bool) -> np.ndarray:
+        """The waveform to emit for this chunk's new mel [1, M, F]."""
+        c = self._config
+        if self._mel is not None:
+            mel = np.concatenate([self._mel, mel], axis=2)
+        mel = np.ascontiguousarray(mel, np.float32)
+        source = self._vocoder.source(mel, self._rng)
+        if self._source is not None:
+            source[:, :, :self._source.shape[2]] = self._source
+        speech = self._vocoder.decode(mel, source)
+        if self._speech is not None:
+            overlap = c.crossfade_samples
+            faded = speech[:, :overlap] * self._window[:overlap] + self._speech * self._window[overlap:]
+            speech[:, :overlap] = faded.astype(np.float32)
+        if final:
+            return speech[0]
+        self._mel = mel[:, :, -c.mel_cache_frames:]
+        self._source = source[:, :, -c.source_cache_samples:]
+        self._speech = speech[:, -c.crossfade_samples:]
+        return speech[0, :-c.crossfade_samples]

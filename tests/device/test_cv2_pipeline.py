@@ -1,0 +1,338 @@
+"""The torch-free CosyVoice2 runtime (device/cosyvoice2/) against the official goldens of cosyvoice2-tiny.
+
+The bundle is written once per module by the quantize writer from the tiny release. Tolerances
+(vectors/README.md): tokens, segment texts, token ids, lm_input, chunk sizes exact; mel atol 1e-4; waveforms by SNR
+> 40 dB (the official float32 sine phase alone moves them by up to ~5e-3; observed here: per-case max abs error
+<= 0.02, SNR >= 45 dB), streaming chunks atol 5e-3 or SNR > 40 dB; the CLI's int16 WAV within 2/32768 of the
+in-process waveform.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import wave
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from device.cosyvoice2.streaming import stream_tokens
+from device.engine import Engine
+from device.errors import InputError
+from device.pipeline import Request
+from device.sessions import SessionConfig
+
+MEL_ATOL = 1e-4
+SNR_DB = 40.0
+CHUNK_ATOL = 5e-3
+WAV_ATOL = 2 / 32768
+ZH_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_sft_spk"
+INSTRUCT = "用四川话说这句话<|endofprompt|>"
+
+
+def _vectors() -> Path:
+    return Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "cosyvoice2-tiny" / "vectors"
+
+
+E2E_CASES = json.loads((_vectors() / "index.json").read_text(encoding="utf-8"))["e2e"] \
+    if (_vectors() / "index.json").is_file() else []
+STREAM_VOICES = {"stream_zero_shot": ZH_VOICE, "stream_sft": SFT_VOICE}
+
+
+@pytest.fixture(scope="module")
+def vectors(cv2_tiny_dir: Path) -> dict[str, dict[str, np.ndarray]]:
+    out = {}
+    for name in ("e2e", "llm", "stream"):
+        with np.load(cv2_tiny_dir / "vectors" / f"{name}.npz") as z:
+            out[name] = dict(z)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stream_index(cv2_tiny_dir: Path) -> dict:
+    return json.loads((cv2_tiny_dir / "vectors" / "index.json").read_text(encoding="utf-8"))["stream"]
+
+
+@pytest.fixture(scope="module")
+def cv2_bundle(cv2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+
+    from quantize.cosyvoice2.bundle import write_bundle
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return write_bundle(cv2_tiny_dir, tmp_path_factory.mktemp("cv2") / "tiny")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engine(cv2_bundle: Path) -> Engine:
+    return Engine.load(cv2_bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
+                       warmup=False)
+
+
+def _snr(ref: np.ndarray, out: np.ndarray) -> float:
+    ref, out = np.asarray(ref, np.float64), np.asarray(out, np.float64)
+    return float(10 * np.log10((ref ** 2).sum() / max(((out - ref) ** 2).sum(), 1e-30)))
+
+
+def _options(case: dict) -> dict:
+    options = {"voice": case["sft_spk_id"] or ZH_VOICE, "mode": case["mode"], "speed": case["speed"],
+               "sampling": "greedy", "deterministic": True}
+    if case["instruct_text"]:
+        options["instruct_text"] = case["instruct_text"]
+    return options
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+@pytest.mark.parametrize("case", E2E_CASES, ids=[c["name"] for c in E2E_CASES])
+def test_e2e_greedy_matches_golden(engine: Engine, vectors: dict, case: dict) -> None:
+    request = engine.request(**_options(case))
+    units = engine.units(case["text"])
+    assert [u.text for u in units] == case["segments"]
+    for j, unit in enumerate(units):
+        key = f"{case['name']}_s{j}"
+        assert list(unit.ids) == vectors["llm"][f"{key}__text_token"].reshape(-1).tolist()
+        assert engine.pipeline.speech_tokens(unit, request) == vectors["llm"][f"{key}__greedy_tokens"].tolist()
+    wave_ = engine.synthesize_array(case["text"], **_options(case))
+    golden = np.concatenate([vectors["e2e"][f"{case['name']}_s{j}__tts_speech"][0] for j in range(len(units))])
+    assert wave_.dtype == np.float32 and wave_.shape == golden.shape
+    assert _snr(golden, wave_) > SNR_DB
+
+
+@pytest.mark.parametrize("key", ["sft0_s0", "zero_shot0_s0", "cross_lingual0_s0", "instruct20_s0"])
+def test_lm_input_is_the_official_gather(engine: Engine, vectors: dict, key: str) -> None:
+    case = next(c for c in E2E_CASES if f"{c['name']}_s0" == key)
+    request = engine.request(**_options(case))
+    inputs = engine.pipeline._mode_inputs(request)
+    llm = vectors["llm"]
+    assert list(inputs.prompt_text) == llm[f"{key}__prompt_text_token"].reshape(-1).tolist()
+    assert list(inputs.prompt_speech) == llm[f"{key}__prompt_speech_token"].reshape(-1).tolist()
+    lm_input = engine.pipeline._lm.lm_input(llm[f"{key}__text_token"].reshape(-1), inputs.prompt_text,
+                                            inputs.prompt_speech)
+    assert np.array_equal(lm_input, llm[f"{key}__lm_input"])
+
+
+def test_cli_synth_writes_the_golden_waveform(cv2_bundle: Path, engine: Engine, vectors: dict,
+                                              tmp_path: Path) -> None:
+    text = next(c for c in E2E_CASES if c["name"] == "zero_shot0")["text"]
+    out = tmp_path / "out.wav"
+    env = {**os.environ, "COSYEDGE_HOME": str(tmp_path / "home"), "COSYEDGE_THREADS": "1",
+           "COSYEDGE_PROVIDERS": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "device.cli", "synth", text, "--bundle", str(cv2_bundle),
+                             "--voice", ZH_VOICE, "--sampling", "greedy", "--deterministic", "-o", str(out)],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    with wave.open(str(out)) as handle:
+        assert handle.getframerate() == 24000 and handle.getsampwidth() == 2
+        pcm = np.frombuffer(handle.readframes(handle.getnframes()), "<i2").astype(np.float32) / 32767.0
+    direct = engine.synthesize_array(text, voice=ZH_VOICE, sampling="greedy", deterministic=True)
+    golden = vectors["e2e"]["zero_shot0_s0__tts_speech"][0]
+    assert pcm.shape == golden.shape
+    assert float(np.abs(pcm - direct).max()) <= WAV_ATOL
+    assert _snr(golden, pcm) > SNR_DB
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+class _Recorder:
+    """A vocoder stand-in that records what the streaming code gives HiFT, then runs the real one."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.mels: list[np.ndarray] = []
+        self.sources: list[np.ndarray] = []
+
+    def source(self, mel: np.ndarray, rng) -> np.ndarray:
+        self.mels.append(mel.copy())
+        return self.inner.source(mel, rng)
+
+    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray:
+        self.sources.append(source.copy())
+        return self.inner.decode(mel, source)
+
+
+def _counted(tokens: list[int], seen: list[int]) -> Iterator[int]:
+    for token in tokens:
+        seen[0] += 1
+        yield token
+
+
+@pytest.mark.parametrize("case", sorted(STREAM_VOICES))
+def test_stream_chunks_match_golden(engine: Engine, vectors: dict, stream_index: dict, case: str) -> None:
+    golden = vectors["stream"]
+    pipeline = engine.pipeline
+    voice = pipeline._voices[STREAM_VOICES[case]]
+    assert np.array_equal(voice.flow_embedding, golden[f"{case}__embedding"].reshape(-1))
+    prompt = pipeline._mode_inputs(engine.request(voice=voice.name, deterministic=True)).flow
+    assert np.array_equal(prompt.tokens, golden[f"{case}__prompt_token"].reshape(-1))
+    recorder = _Recorder(pipeline._vocoder)
+    tokens = golden[f"{case}__tokens"].reshape(-1).tolist()
+    seen = [0]
+    chunks, consumed = [], []
+    for chunk in stream_tokens(_counted(tokens, seen), prompt, pipeline._flow, recorder, pipeline._stream_config,
+                               None):
+        chunks.append(chunk)
+        consumed.append(seen[0])
+    table = stream_index[case]["chunks"]
+    assert len(chunks) == len(table)
+    assert consumed == [c["n_tokens_to_flow"] for c in table]   # each chunk leaves as soon as its tokens exist
+    for i, chunk in enumerate(chunks):
+        assert np.abs(recorder.mels[i] - golden[f"{case}__c{i}__hift_mel_in"]).max() <= MEL_ATOL
+        cached = golden[f"{case}__c{i}__hift_cache_source_in"]
+        if cached.size:
+            assert np.abs(recorder.sources[i][:, :, :cached.shape[2]] - cached).max() <= CHUNK_ATOL
+        ref = golden[f"{case}__c{i}__emitted"][0]
+        assert chunk.shape == ref.shape
+        assert np.abs(chunk - ref).max() <= CHUNK_ATOL or _snr(ref, chunk) > SNR_DB
+    joined, ref = np.concatenate(chunks), golden[f"{case}__emitted_concat"][0]
+    assert joined.shape == ref.shape and _snr(ref, joined) > SNR_DB
+
+
+def test_concurrent_streams_keep_their_own_schedule(engine: Engine, vectors: dict) -> None:
+    """Two requests streaming at once each get their first chunk after their own first hop (25 + pad + 3)."""
+    pipeline = engine.pipeline
+    tokens = vectors["stream"]["stream_zero_shot__tokens"].reshape(-1).tolist()
+    expected_first = {ZH_VOICE: 25 + 13 + 3, SFT_VOICE: 25 + 0 + 3}
+    alone = {v: list(pipeline.stream_tokens(tokens, engine.request(voice=v, deterministic=True)))
+             for v in expected_first}
+    start = threading.Barrier(2)
+    results: dict[str, tuple[int, list[np.ndarray]]] = {}
+    errors: list[BaseException] = []
+
+    def worker(voice: str) -> None:
+        try:
+            seen, first, chunks = [0], None, []
+            start.wait(timeout=30)
+            for chunk in pipeline.stream_tokens(_counted(tokens, seen), engine.request(voice=voice, deterministic=True)):
+                first = seen[0] if first is None else first
+                chunks.append(chunk)
+            results[voice] = (first, chunks)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(v,)) for v in expected_first]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for voice, first in expected_first.items():
+        got_first, chunks = results[voice]
+        assert got_first == first
+        assert len(chunks) == len(alone[voice])
+        for a, b in zip(chunks, alone[voice]):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_stream_with_the_llm_interleaves_and_equals_token_streaming(engine: Engine, vectors: dict) -> None:
+    """sft0 (36 greedy tokens): the first chunk comes after 28 tokens, the rest at the end; same audio as feeding
+    the same tokens to the chunker, and close to the non-streaming golden."""
+    pipeline = engine.pipeline
+    request = engine.request(voice=SFT_VOICE, sampling="greedy", deterministic=True)
+    (unit,) = engine.units("你好，世界！")
+    chunks = list(pipeline.stream(unit, request))
+    tokens = vectors["llm"]["sft0_s0__greedy_tokens"].tolist()
+    direct = list(pipeline.stream_tokens(tokens, request))
+    assert [len(c) for c in chunks] == [len(c) for c in direct] and len(chunks) == 2
+    assert len(chunks[0]) == 2 * 25 * 480 - 3840
+    np.testing.assert_allclose(np.concatenate(chunks), np.concatenate(direct), rtol=0, atol=1e-6)
+    via_engine = np.concatenate(list(engine.stream("你好，世界！", voice=SFT_VOICE, sampling="greedy",
+                                                   deterministic=True)))
+    np.testing.assert_allclose(via_engine, np.concatenate(chunks), rtol=0, atol=1e-6)
+
+
+def test_stream_with_speed_renders_the_unit_whole(engine: Engine, vectors: dict) -> None:
+    chunks = list(engine.stream("收到好友从远方寄来的生日礼物。", voice=ZH_VOICE, speed=1.5, sampling="greedy",
+                                deterministic=True))
+    golden = vectors["e2e"]["zero_shot0_speed1.5_s0__tts_speech"][0]
+    assert len(chunks) == 1 and chunks[0].shape == golden.shape and _snr(golden, chunks[0]) > SNR_DB
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+def test_sampled_requests_are_seeded_and_private(engine: Engine) -> None:
+    text = "Good morning, my friend."
+    first = engine.synthesize_array(text, voice=ZH_VOICE, seed=11)
+    again = engine.synthesize_array(text, voice=ZH_VOICE, seed=11)
+    other = engine.synthesize_array(text, voice=ZH_VOICE, seed=12)
+    assert np.array_equal(first, again)
+    assert first.shape != other.shape or not np.array_equal(first, other)
+    (unit,) = engine.units(text)
+    req = engine.request(voice=ZH_VOICE, seed=11, deterministic=True)
+    tokens = engine.pipeline.speech_tokens(unit, req)
+    assert tokens == engine.pipeline.speech_tokens(unit, req)
+    _, max_len = engine.pipeline._lm.config.min_max_len(len(unit.ids))
+    assert 0 < len(tokens) <= max_len and all(0 <= t < 6561 for t in tokens)
+
+
+# ------------------------------------------------------------------------------------------------ requests
+
+def test_modes_and_voices_are_checked_up_front(engine: Engine) -> None:
+    assert engine.voices() == [ZH_VOICE, "tiny_spk_en", SFT_VOICE]   # spk2info order
+    assert engine.request().voice == ZH_VOICE and engine.request().mode is None
+    assert engine.request(voice=ZH_VOICE, instruct_text="用四川话说这句话").instruct_text == "用四川话说这句话"
+    for bad in ({"voice": ZH_VOICE, "mode": "sft"}, {"voice": SFT_VOICE, "mode": "zero_shot"},
+                {"voice": SFT_VOICE, "mode": "cross_lingual"}, {"voice": ZH_VOICE, "mode": "instruct2"},
+                {"voice": ZH_VOICE, "mode": "zero_shot", "instruct_text": INSTRUCT},
+                {"voice": ZH_VOICE, "mode": "whisper"}):
+        with pytest.raises(InputError):
+            engine.request(**bad)
+    with pytest.raises(InputError):
+        engine.units("。。。")
+    assert Request(voice="x").mode is None and Request(voice="x").instruct_text is None
+
+
+def test_instruct_marker_is_added_when_missing(engine: Engine) -> None:
+    plain = engine.pipeline._mode_inputs(engine.request(voice=ZH_VOICE, instruct_text="用四川话说这句话"))
+    marked = engine.pipeline._mode_inputs(engine.request(voice=ZH_VOICE, instruct_text=INSTRUCT))
+    assert plain.prompt_text == marked.prompt_text and len(marked.prompt_text) == 5 and not marked.prompt_speech
+
+
+def test_describe(engine: Engine) -> None:
+    info = engine.pipeline.describe()
+    assert info["family"] == "cosyvoice2" and set(info["precision"].values()) == {"fp32"}
+    assert info["stream"]["hops"] == (25, 50, 100) and info["voices"] == 3
+
+
+# ------------------------------------------------------------------------------------------------ no torch
+
+BLOCKER = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is forbidden in the device runtime")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def test_pipeline_runs_without_torch(cv2_bundle: Path, vectors: dict, tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
+    out = tmp_path / "speech.npy"
+    code = (
+        "import sys, numpy as np\n"
+        "from device.engine import Engine\n"
+        "from device.sessions import SessionConfig\n"
+        f"e = Engine.load({str(cv2_bundle)!r}, precision='fp32', sessions=SessionConfig(providers=('cpu',), "
+        "intra_op_threads=1))\n"
+        "wave = e.synthesize_array('你好，世界！', voice='tiny_sft_spk', sampling='greedy', deterministic=True)\n"
+        "chunks = list(e.stream('Hello there, this is streaming.', voice='tiny_spk_en', seed=3))\n"
+        f"np.save({str(out)!r}, wave)\n"
+        "assert chunks and 'torch' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "COSYEDGE_HOME": str(tmp_path / "home"), "COSYEDGE_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("ok")
+    golden = vectors["e2e"]["sft0_s0__tts_speech"][0]
+    assert _snr(golden, np.load(out)) > SNR_DB
