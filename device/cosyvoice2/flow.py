@@ -8,7 +8,7 @@ semantics, align_corners=False), as the official non-streaming path does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -62,6 +62,26 @@ class Flow:
 
         finalize=False: the last `pre_lookahead_len` tokens are look-ahead context only and produce no mel.
         """
+        mu, spks, cond = self._condition(prompt, tokens, finalize, streaming)
+        return self.solve(mu, spks, cond, streaming)[:, :, prompt.mel.shape[0]:]
+
+    def mels(self, prompt: FlowPrompt, token_rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Non-streaming mels of several token sequences: one encoder call each, one padded Euler batch."""
+        conditions = [self._condition(prompt, tokens, finalize=True, streaming=False) for tokens in token_rows]
+        frames = [mu.shape[2] for mu, _, _ in conditions]
+        width = max(frames)
+
+        def stack(index: int) -> np.ndarray:
+            return np.concatenate([np.pad(c[index], [(0, 0), (0, 0), (0, width - c[index].shape[2])])
+                                   for c in conditions])
+
+        mask = (np.arange(width)[None, None, :] < np.array(frames)[:, None, None]).astype(np.float32)
+        x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), False, mask)
+        return [x[row:row + 1, :, prompt.mel.shape[0]:size] for row, size in enumerate(frames)]
+
+    def _condition(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Encoder outputs (mu [1, M, T], spks [1, M]) and the prompt-mel condition cond [1, M, T]."""
         c = self.config
         parts = [prompt.tokens.reshape(-1), np.asarray(tokens, np.int64).reshape(-1)]
         if finalize:
@@ -75,23 +95,31 @@ class Flow:
                              f"{self._noise.shape[2]}: use a shorter text or prompt")
         cond = np.zeros_like(mu)
         cond[0, :, :prompt.mel.shape[0]] = prompt.mel.T
-        return self.solve(mu, spks, cond, streaming)[:, :, prompt.mel.shape[0]:]
+        return mu, spks, cond
 
-    def solve(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, streaming: bool) -> np.ndarray:
-        """The official Euler solver with classifier-free guidance, float32 (t accumulated as the official loop)."""
+    def solve(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, streaming: bool,
+              mask: np.ndarray | None = None) -> np.ndarray:
+        """The official Euler solver with classifier-free guidance, float32 (t accumulated as the official loop).
+
+        Rows [B, M, T] may be right-padded (mask [B, 1, T] zero there); every row starts from the same fixed
+        noise, as each would alone. The estimator runs on 2B rows: B conditional, then B unconditional.
+        """
         c = self.config
         t_span = cosine_t_span(c.n_timesteps)
         rate = np.float32(c.inference_cfg_rate)
-        frames = mu.shape[2]
-        x = self._noise[:, :, :frames].astype(np.float32, copy=True)
+        rows, _, frames = mu.shape
+        if mask is None:
+            mask = np.ones((rows, 1, frames), np.float32)
+        x = np.repeat(self._noise[:, :, :frames].astype(np.float32), rows, axis=0)
         zeros = np.zeros_like(mu)
-        feeds = {"mask": np.ones((2, 1, frames), np.float32), "mu": np.concatenate([mu, zeros]),
+        feeds = {"mask": np.concatenate([mask, mask]), "mu": np.concatenate([mu, zeros]),
                  "spks": np.concatenate([spks, np.zeros_like(spks)]), "cond": np.concatenate([cond, zeros]),
                  "streaming": _flag(streaming)}
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, c.n_timesteps + 1):
-            (v,) = self._estimator.run(None, feeds | {"x": np.concatenate([x, x]), "t": np.full(2, t, np.float32)})
-            x = x + dt * ((1 + rate) * v[:1] - rate * v[1:])
+            (v,) = self._estimator.run(None, feeds | {"x": np.concatenate([x, x]),
+                                                      "t": np.full(2 * rows, t, np.float32)})
+            x = x + dt * ((1 + rate) * v[:rows] - rate * v[rows:])
             t = t + dt
             if step < c.n_timesteps:
                 dt = t_span[step + 1] - t

@@ -77,6 +77,7 @@ class SpeechLM:
         length = lm_input.shape[1]
         logits, key, value = self._run(self._prefill, {"inputs_embeds": lm_input,
                                                        "attention_mask": np.ones((1, length), np.int64)})
+        logits = logits[0]
         history: list[int] = []
         for step in range(max_len):
             token = choose_token(logits, step, min_len, cfg.eos, history, greedy, cfg.sampling, rng)
@@ -91,10 +92,51 @@ class SpeechLM:
                 "inputs_embeds": self._speech_embedding[token][None, None],
                 "attention_mask": np.ones((1, position + 1), np.int64),
                 "position_ids": np.array([[position]], np.int64)}, key, value)
+            logits = logits[0]
+
+    def batch_tokens(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
+                     rng: np.random.Generator) -> list[list[int]]:
+        """Speech tokens of several prompts decoded together (left padding); each row keeps its own length
+        rule and history and stops on its own; the batch runs until the last row stops. Rows draw from `rng`
+        in row order at each step."""
+        cfg = self.config
+        rows = len(lm_inputs)
+        limits = [cfg.min_max_len(n) for n in n_text_tokens]
+        lengths = np.array([x.shape[1] for x in lm_inputs], np.int64)
+        width = int(lengths.max())
+        embeds = np.zeros((rows, width, self.hidden_size), np.float32)
+        mask = np.zeros((rows, width), np.int64)
+        for row, x in enumerate(lm_inputs):
+            embeds[row, width - x.shape[1]:] = x[0]
+            mask[row, width - x.shape[1]:] = 1
+        logits, key, value = self._run(self._prefill, {"inputs_embeds": embeds, "attention_mask": mask})
+        histories: list[list[int]] = [[] for _ in range(rows)]
+        active = [max_len > 0 for _, max_len in limits]
+        step = 0
+        while True:
+            fed = np.zeros(rows, np.int64)  # finished rows feed token 0; their results are ignored
+            for row in range(rows):
+                if not active[row]:
+                    continue
+                min_len, max_len = limits[row]
+                token = choose_token(logits[row], step, min_len, cfg.eos, histories[row], greedy, cfg.sampling, rng)
+                if token in cfg.stop_ids:
+                    active[row] = False
+                    continue
+                histories[row].append(token)
+                fed[row] = token
+                active[row] = len(histories[row]) < max_len
+            if not any(active):
+                return histories
+            mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
+            logits, key, value = self._run(self._decode, {
+                "inputs_embeds": self._speech_embedding[fed][:, None],
+                "attention_mask": mask, "position_ids": (lengths + step)[:, None]}, key, value)
+            step += 1
 
     def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], past_key: ort.OrtValue | None = None,
              past_value: ort.OrtValue | None = None) -> tuple[np.ndarray, ort.OrtValue, ort.OrtValue]:
-        """One graph call with IO binding: the cache stays an ORT value on the session's device."""
+        """One graph call with IO binding: the cache stays an ORT value on the session's device; logits [B, V]."""
         binding = session.io_binding()
         arrays = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run
         for name, array in arrays.items():
@@ -107,4 +149,4 @@ class SpeechLM:
         binding.bind_output("present_value", self._kv_device)
         session.run_with_iobinding(binding)
         logits, key, value = binding.get_outputs()
-        return logits.numpy()[0], key, value
+        return logits.numpy(), key, value

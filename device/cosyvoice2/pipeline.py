@@ -98,18 +98,20 @@ class CosyVoice2Pipeline:
         return units
 
     def render(self, units: Sequence[Unit], request: Request) -> list[np.ndarray]:
+        """Units decode as one LLM batch and one flow batch; HiFT runs per unit (its non-causal convolutions
+        would see another row's padding)."""
         inputs = self._mode_inputs(request)
         rng = np.random.default_rng(request.seed)
-        waves = []
-        for unit in units:
-            tokens = np.fromiter(self._tokens(unit, inputs, request, rng), dtype=np.int64)
-            if tokens.size == 0:
-                waves.append(np.zeros(0, np.float32))
-                continue
-            mel = self._flow.mel(inputs.flow, tokens, finalize=True, streaming=False)
+        lm_inputs = [self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech) for unit in units]
+        token_rows = self._lm.batch_tokens(lm_inputs, [len(unit.ids) for unit in units],
+                                           request.sampling == "greedy", rng)
+        spoken = [row for row, tokens in enumerate(token_rows) if tokens]
+        mels = self._flow.mels(inputs.flow, [np.asarray(token_rows[row], np.int64) for row in spoken]) if spoken else []
+        waves = [np.zeros(0, np.float32) for _ in units]
+        for row, mel in zip(spoken, mels):
             if request.speed != 1.0:
                 mel = stretch_mel(mel, request.speed)
-            waves.append(self._vocoder(mel, None if request.deterministic else rng))
+            waves[row] = self._vocoder(mel, None if request.deterministic else rng)
         return waves
 
     def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:

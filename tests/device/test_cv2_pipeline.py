@@ -106,6 +106,26 @@ def test_e2e_greedy_matches_golden(engine: Engine, vectors: dict, case: dict) ->
     assert _snr(golden, wave_) > SNR_DB
 
 
+@pytest.mark.parametrize("names", [("sft0", "sft1", "sft2"), ("zero_shot0", "zero_shot1", "zero_shot2"),
+                                   ("cross_lingual0", "cross_lingual1", "cross_lingual2")])
+def test_batched_render_matches_single_goldens(engine: Engine, vectors: dict, names: tuple[str, ...]) -> None:
+    """Several requests with equal options go through one padded LLM batch and one padded flow batch."""
+    cases = [next(c for c in E2E_CASES if c["name"] == n) for n in names]
+    request = engine.request(**_options(cases[0]))
+    units = [engine.units(c["text"]) for c in cases]
+    pipeline = engine.pipeline
+    inputs = pipeline._mode_inputs(request)
+    flat = [u for us in units for u in us]
+    rows = pipeline._lm.batch_tokens([pipeline._lm.lm_input(u.ids, inputs.prompt_text, inputs.prompt_speech)
+                                      for u in flat], [len(u.ids) for u in flat], True, np.random.default_rng(0))
+    keys = [f"{c['name']}_s{j}" for c, us in zip(cases, units) for j in range(len(us))]
+    assert rows == [vectors["llm"][f"{k}__greedy_tokens"].tolist() for k in keys]
+    waves = engine.render_requests([(us, request) for us in units])
+    for case, us, wave_ in zip(cases, units, waves):
+        golden = np.concatenate([vectors["e2e"][f"{case['name']}_s{j}__tts_speech"][0] for j in range(len(us))])
+        assert wave_.shape == golden.shape and _snr(golden, wave_) > SNR_DB
+
+
 @pytest.mark.parametrize("key", ["sft0_s0", "zero_shot0_s0", "cross_lingual0_s0", "instruct20_s0"])
 def test_lm_input_is_the_official_gather(engine: Engine, vectors: dict, key: str) -> None:
     case = next(c for c in E2E_CASES if f"{c['name']}_s0" == key)
