@@ -12,6 +12,7 @@ noise-free output.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import asdict
 from typing import Any, Iterable, Iterator, Sequence
@@ -20,6 +21,7 @@ import numpy as np
 
 from device import text as textmod
 from device.bundle import Bundle
+from device.cosyvoice2.features import FlowMelConfig, extract_prompt
 from device.cosyvoice2.flow import Flow, FlowConfig, stretch_mel
 from device.cosyvoice2.frontend import TextFrontend
 from device.cosyvoice2.llm import DecodeConfig, SpeechLM
@@ -32,6 +34,7 @@ from device.sessions import SessionConfig, create_session
 
 log = logging.getLogger(__name__)
 
+VOICE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
@@ -57,10 +60,16 @@ class CosyVoice2Pipeline:
             self._vocoder = Vocoder(s["hift_source"], s["hift_decoder"], int(cfg["hift_upsample"]))
             self._stream_config = StreamConfig.from_config(cfg["stream"])
             self._mel_bins = int(cfg["mel"]["n_mels"])
+            self._mel_config = FlowMelConfig(**cfg["mel"])
         except (KeyError, TypeError, ValueError) as exc:
             raise BundleError(f"bundle {bundle.root.name!r}: manifest config is incomplete ({type(exc).__name__}: "
                               f"{exc}); re-create the bundle") from None
         self._voices = {name: Voice.load(name, bundle.asset(f"voice:{name}")) for name in manifest.voices}
+        self._bundle_voices = frozenset(self._voices)
+        self._bundle = bundle
+        self._session_config = sessions
+        self._prompt_models: tuple[Any, Any] | None = None
+        self._prompt_lock = threading.Lock()
         if not self._voices:
             raise BundleError(f"bundle {bundle.root.name!r} has no voices; register one or re-create the bundle")
 
@@ -127,6 +136,37 @@ class CosyVoice2Pipeline:
                 "providers": {name: s.get_providers()[0] for name, s in self._sessions.items()},
                 "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(MODES),
                 "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._stream_config)}
+
+    # -- voices -----------------------------------------------------------------------------
+    def make_voice(self, name: str, wav: np.ndarray, sample_rate: int, prompt_text: str) -> Voice:
+        """A zero-shot voice from a prompt recording and its transcript, as the official zero-shot frontend
+        prepares them (speech tokens, flow mel and CAM++ embedding; the transcript normalised, not split)."""
+        if not VOICE_NAME.fullmatch(name or ""):
+            raise InputError("voice names are 1-64 characters: letters, digits, '-', '_' and '.'")
+        text = self.validate_text(prompt_text, 2000)
+        with self._frontend_lock:
+            normalised = self._frontend.normalize(text, split=False)[0]
+        features = extract_prompt(wav, sample_rate, *self._prompt_sessions(), self._mel_config)
+        return Voice(name, "zero_shot", features.embedding, prompt_text=normalised,
+                     prompt_text_ids=tuple(self._frontend.encode(normalised)),
+                     llm_prompt_speech=tuple(int(t) for t in features.tokens),
+                     flow_prompt_speech=features.tokens, prompt_mel=features.mel)
+
+    def add_voice(self, voice: Voice) -> None:
+        """Make a voice available to later requests (bundle voices cannot be replaced)."""
+        if voice.name in self._bundle_voices:
+            raise InputError(f"voice {voice.name!r} is part of the bundle; choose another name")
+        self._voices[voice.name] = voice
+
+    def _prompt_sessions(self) -> tuple[Any, Any]:
+        """CAM++ and the speech tokenizer, created on first use (CPU: the official code runs them there)."""
+        with self._prompt_lock:
+            if self._prompt_models is None:
+                cpu = SessionConfig(providers=("cpu",), intra_op_threads=self._session_config.intra_op_threads)
+                self._prompt_models = tuple(
+                    create_session(self._bundle.path(self._bundle.component(name, "fp32").file), cpu)
+                    for name in ("campplus", "speech_tokenizer"))
+            return self._prompt_models
 
     # -- building blocks (also used by tests and tools) -------------------------------------
     def speech_tokens(self, unit: Unit, request: Request, rng: np.random.Generator | None = None) -> list[int]:

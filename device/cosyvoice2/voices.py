@@ -10,7 +10,8 @@ A voice file (voices/<name>.npz, docs/bundle_cosyvoice2.md) is either `sft` (a s
 | cross_lingual | -                        | -                 | prompt tokens + mel      | flow_embedding |
 | instruct2     | the instruct text (raw)  | -                 | prompt tokens + mel      | flow_embedding |
 
-The LLM does not use a speaker embedding in v2.
+The LLM does not use a speaker embedding in v2. Voices made at run time from a prompt recording
+(`CosyVoice2Pipeline.make_voice`) are zero-shot voices with the same file format (`Voice.save`).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Voice:
     name: str
     kind: str                          # "sft" or "zero_shot"
     flow_embedding: np.ndarray         # [E]
+    prompt_text: str = ""
     prompt_text_ids: tuple[int, ...] = ()
     llm_prompt_speech: tuple[int, ...] = ()
     flow_prompt_speech: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -53,13 +55,26 @@ class Voice:
                     return cls(name, kind, z["embedding"].astype(np.float32).reshape(-1))
                 if kind == "zero_shot":
                     return cls(name, kind, z["flow_embedding"].astype(np.float32).reshape(-1),
-                               prompt_text_ids=tuple(int(i) for i in z["prompt_text_ids"].reshape(-1)),
+                               prompt_text=str(z["prompt_text"]), prompt_text_ids=tuple(int(i) for i in z["prompt_text_ids"].reshape(-1)),
                                llm_prompt_speech=tuple(int(i) for i in z["llm_prompt_speech_token"].reshape(-1)),
                                flow_prompt_speech=z["flow_prompt_speech_token"].astype(np.int64).reshape(-1),
                                prompt_mel=z["prompt_speech_feat"].astype(np.float32))
         except (KeyError, ValueError, OSError) as exc:
             raise BundleError(f"voice {name!r}: malformed voice file ({type(exc).__name__}: {exc})") from None
         raise BundleError(f"voice {name!r}: unknown kind {kind!r} (expected sft or zero_shot)")
+
+    def save(self, path: Path) -> None:
+        """Write the voice file format of docs/bundle_cosyvoice2.md (runtime-registered voices use it too)."""
+        if self.kind == "sft":
+            arrays = {"kind": np.array("sft"), "embedding": self.flow_embedding}
+        else:
+            arrays = {"kind": np.array("zero_shot"), "prompt_text": np.array(self.prompt_text),
+                      "prompt_text_ids": np.asarray(self.prompt_text_ids, np.int64),
+                      "llm_prompt_speech_token": np.asarray(self.llm_prompt_speech, np.int64),
+                      "flow_prompt_speech_token": self.flow_prompt_speech, "prompt_speech_feat": self.prompt_mel,
+                      "llm_embedding": self.flow_embedding, "flow_embedding": self.flow_embedding}
+        with Path(path).open("wb") as handle:
+            np.savez(handle, **arrays)
 
     @property
     def default_mode(self) -> str:

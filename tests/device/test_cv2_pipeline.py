@@ -321,6 +321,41 @@ def test_describe(engine: Engine) -> None:
     assert info["stream"]["hops"] == (25, 50, 100) and info["voices"] == 3
 
 
+# ------------------------------------------------------------------------------------------------ voices
+
+def test_voice_from_prompt_audio_matches_the_release_entry(engine: Engine, vectors: dict, golden_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """The prompt recording of the goldens gives the spk2info entry `tiny_spk_zh` (tokens exact, mel 1e-4, CAM++
+    embedding 1e-3) and, registered, the zero_shot0 golden waveform; the voice file round-trips."""
+    import soundfile
+
+    from device.cosyvoice2.voices import Voice
+    pipeline = engine.pipeline
+    wav, sr = soundfile.read(golden_dir / "audio" / "zero_shot_prompt.wav", dtype="float32")
+    voice = pipeline.make_voice("my_voice", wav, sr, "希望你以后能够做的比我还好呦。")
+    ref = pipeline._voices[ZH_VOICE]
+    assert voice.prompt_text_ids == ref.prompt_text_ids and voice.prompt_text == ref.prompt_text
+    assert voice.llm_prompt_speech == ref.llm_prompt_speech
+    assert np.array_equal(voice.flow_prompt_speech, ref.flow_prompt_speech)
+    assert np.abs(voice.prompt_mel - ref.prompt_mel).max() <= MEL_ATOL
+    assert np.abs(voice.flow_embedding - ref.flow_embedding).max() <= 1e-3
+    voice.save(tmp_path / "my_voice.npz")
+    loaded = Voice.load("my_voice", tmp_path / "my_voice.npz")
+    assert loaded.prompt_text == voice.prompt_text and np.array_equal(loaded.prompt_mel, voice.prompt_mel)
+    pipeline.add_voice(loaded)
+    try:
+        out = engine.synthesize_array("收到好友从远方寄来的生日礼物。", voice="my_voice", sampling="greedy",
+                                      deterministic=True)
+        golden = vectors["e2e"]["zero_shot0_s0__tts_speech"][0]
+        assert out.shape == golden.shape and _snr(golden, out) > SNR_DB
+    finally:
+        pipeline._voices.pop("my_voice")
+    with pytest.raises(InputError):
+        pipeline.add_voice(Voice.load(ZH_VOICE, tmp_path / "my_voice.npz"))
+    with pytest.raises(InputError):
+        pipeline.make_voice("bad name/", wav, sr, "text")
+
+
 # ------------------------------------------------------------------------------------------------ no torch
 
 BLOCKER = """
@@ -334,7 +369,7 @@ sys.meta_path.insert(0, _NoTorch())
 """
 
 
-def test_pipeline_runs_without_torch(cv2_bundle: Path, vectors: dict, tmp_path: Path) -> None:
+def test_pipeline_runs_without_torch(cv2_bundle: Path, vectors: dict, golden_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(BLOCKER)
     out = tmp_path / "speech.npy"
     code = (
@@ -345,6 +380,9 @@ def test_pipeline_runs_without_torch(cv2_bundle: Path, vectors: dict, tmp_path: 
         "intra_op_threads=1))\n"
         "wave = e.synthesize_array('你好，世界！', voice='tiny_sft_spk', sampling='greedy', deterministic=True)\n"
         "chunks = list(e.stream('Hello there, this is streaming.', voice='tiny_spk_en', seed=3))\n"
+        "import soundfile\n"
+        f"wav, sr = soundfile.read({str(golden_dir / 'audio' / 'zero_shot_prompt.wav')!r}, dtype='float32')\n"
+        "assert len(e.pipeline.make_voice('v', wav, sr, 'Hello.').llm_prompt_speech) == 87\n"
         f"np.save({str(out)!r}, wave)\n"
         "assert chunks and 'torch' not in sys.modules\n"
         "print('ok')\n"
