@@ -50,9 +50,11 @@ def serve(config: ServiceConfig) -> int:
         options = BatchOptions(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
         engine = Engine.load(config.bundle, precision=config.precision, options=options)
         interval = watchdog_interval()
-        warm = service.start(engine, heartbeat=(lambda: notify("WATCHDOG=1")) if interval else None,
-                             heartbeat_interval=interval)
+        announced = threading.Event()  # systemd enforces the watchdog from READY=1 on; pings start then
+        warm = service.start(engine, heartbeat=(lambda: announced.is_set() and notify("WATCHDOG=1"))
+                             if interval else None, heartbeat_interval=interval)
         notify(f"READY=1\nSTATUS=ready: {engine.bundle.manifest.name} on {config.host}:{port}")
+        announced.set()
         log.info("ready: %s (%s), warm-up through the queue %.2f s", engine.bundle.manifest.name, engine.precision, warm)
         threading.Event().wait()
     except _Stop as why:
