@@ -251,6 +251,36 @@ def test_concurrent_streams_keep_their_own_schedule(engine: Engine, vectors: dic
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+def test_concurrent_renders_share_nothing(engine: Engine) -> None:
+    """Requests rendered at once from several threads (greedy and seeded sampling, KV caches bound per call)
+    give exactly what each gives alone."""
+    jobs = [("你好，世界！", {"voice": SFT_VOICE, "sampling": "greedy", "deterministic": True}),
+            ("收到好友从远方寄来的生日礼物。", {"voice": ZH_VOICE, "seed": 5}),
+            ("Good morning, my friend.", {"voice": ZH_VOICE, "mode": "cross_lingual", "seed": 6})]
+    alone = [engine.synthesize_array(text, **options) for text, options in jobs]
+    start = threading.Barrier(len(jobs))
+    together: list[np.ndarray | None] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            start.wait(timeout=30)
+            text, options = jobs[index]
+            together[index] = engine.synthesize_array(text, **options)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for a, b in zip(alone, together):
+        assert b is not None and a.shape == b.shape
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
 def test_stream_with_the_llm_interleaves_and_equals_token_streaming(engine: Engine, vectors: dict) -> None:
     """sft0 (36 greedy tokens): the first chunk comes after 28 tokens, the rest at the end; same audio as feeding
     the same tokens to the chunker, and close to the non-streaming golden."""

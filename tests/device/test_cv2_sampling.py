@@ -106,3 +106,22 @@ def test_seeded_generators_are_reproducible_and_independent() -> None:
 def test_draw_handles_unnormalised_weights() -> None:
     rng = np.random.default_rng(3)
     assert {draw(np.array([0.0, 2.0, 0.0]), rng) for _ in range(100)} == {1}
+
+
+@pytest.mark.parametrize("case", ["sft0_s0", "zero_shot0_s0", "cross_lingual0_s0", "instruct20_s0"])
+def test_official_ras_runs_are_explained_by_these_rules(golden_dir, case: str) -> None:
+    """llm.npz holds one official RAS run per heavy case and the log-probs it saw at every step (teacher forced).
+    Every official choice must be possible under our rules: a nucleus candidate not repeated in the window, or
+    a fallback draw, which needs some nucleus candidate in the window. The stop token ends the run."""
+    with np.load(golden_dir / "cosyvoice2-tiny" / "vectors" / "llm.npz") as z:
+        tokens, rows = z[f"{case}__ras_tokens"].tolist(), z[f"{case}__teacher_forced_ras_logp"]
+        min_len, stop = int(z[f"{case}__min_max_len"][0]), int(z[f"{case}__ras_stop_token"][0])
+    assert stop == 6561
+    for step, token in enumerate(tokens + [stop]):
+        scores = rows[step].copy()
+        if step < min_len:
+            scores[6561] = -np.inf
+        ids, _ = nucleus_candidates(softmax(scores), CONFIG.top_p, CONFIG.top_k)
+        window = tokens[max(0, step - CONFIG.win_size):step]
+        direct = token in ids and token not in window
+        assert direct or any(int(i) in window for i in ids), (case, step, token)
