@@ -11,7 +11,6 @@ noise-free output.
 """
 from __future__ import annotations
 
-import logging
 import re
 import threading
 from dataclasses import asdict
@@ -32,9 +31,8 @@ from device.errors import BundleError, InputError, UnknownVoiceError
 from device.pipeline import Request, Unit
 from device.sessions import SessionConfig, create_session
 
-log = logging.getLogger(__name__)
-
 VOICE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
@@ -65,13 +63,13 @@ class CosyVoice2Pipeline:
             raise BundleError(f"bundle {bundle.root.name!r}: manifest config is incomplete ({type(exc).__name__}: "
                               f"{exc}); re-create the bundle") from None
         self._voices = {name: Voice.load(name, bundle.asset(f"voice:{name}")) for name in manifest.voices}
+        if not self._voices:
+            raise BundleError(f"bundle {bundle.root.name!r} has no voices; re-create the bundle")
         self._bundle_voices = frozenset(self._voices)
         self._bundle = bundle
         self._session_config = sessions
         self._prompt_models: tuple[Any, Any] | None = None
         self._prompt_lock = threading.Lock()
-        if not self._voices:
-            raise BundleError(f"bundle {bundle.root.name!r} has no voices; register one or re-create the bundle")
 
     @staticmethod
     def _stage_precision(bundle: Bundle, name: str, precision: str) -> str:
@@ -143,7 +141,7 @@ class CosyVoice2Pipeline:
         prepares them (speech tokens, flow mel and CAM++ embedding; the transcript normalised, not split)."""
         if not VOICE_NAME.fullmatch(name or ""):
             raise InputError("voice names are 1-64 characters: letters, digits, '-', '_' and '.'")
-        text = self.validate_text(prompt_text, 2000)
+        text = self.validate_text(prompt_text, MAX_PROMPT_TEXT)
         with self._frontend_lock:
             normalised = self._frontend.normalize(text, split=False)[0]
         features = extract_prompt(wav, sample_rate, *self._prompt_sessions(), self._mel_config)
@@ -156,7 +154,7 @@ class CosyVoice2Pipeline:
         """Make a voice available to later requests (bundle voices cannot be replaced)."""
         if voice.name in self._bundle_voices:
             raise InputError(f"voice {voice.name!r} is part of the bundle; choose another name")
-        self._voices[voice.name] = voice
+        self._voices = {**self._voices, voice.name: voice}  # a new dict: readers never see one being resized
 
     def _prompt_sessions(self) -> tuple[Any, Any]:
         """CAM++ and the speech tokenizer, created on first use (CPU: the official code runs them there)."""

@@ -55,7 +55,8 @@ class Voice:
                     return cls(name, kind, z["embedding"].astype(np.float32).reshape(-1))
                 if kind == "zero_shot":
                     return cls(name, kind, z["flow_embedding"].astype(np.float32).reshape(-1),
-                               prompt_text=str(z["prompt_text"]), prompt_text_ids=tuple(int(i) for i in z["prompt_text_ids"].reshape(-1)),
+                               prompt_text=str(z["prompt_text"]),
+                               prompt_text_ids=tuple(int(i) for i in z["prompt_text_ids"].reshape(-1)),
                                llm_prompt_speech=tuple(int(i) for i in z["llm_prompt_speech_token"].reshape(-1)),
                                flow_prompt_speech=z["flow_prompt_speech_token"].astype(np.int64).reshape(-1),
                                prompt_mel=z["prompt_speech_feat"].astype(np.float32))

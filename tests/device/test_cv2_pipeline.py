@@ -230,7 +230,8 @@ def test_concurrent_streams_keep_their_own_schedule(engine: Engine, vectors: dic
         try:
             seen, first, chunks = [0], None, []
             start.wait(timeout=30)
-            for chunk in pipeline.stream_tokens(_counted(tokens, seen), engine.request(voice=voice, deterministic=True)):
+            request = engine.request(voice=voice, deterministic=True)
+            for chunk in pipeline.stream_tokens(_counted(tokens, seen), request):
                 first = seen[0] if first is None else first
                 chunks.append(chunk)
             results[voice] = (first, chunks)
@@ -379,7 +380,7 @@ def test_voice_from_prompt_audio_matches_the_release_entry(engine: Engine, vecto
         golden = vectors["e2e"]["zero_shot0_s0__tts_speech"][0]
         assert out.shape == golden.shape and _snr(golden, out) > SNR_DB
     finally:
-        pipeline._voices.pop("my_voice")
+        pipeline._voices = {k: v for k, v in pipeline._voices.items() if k != "my_voice"}
     with pytest.raises(InputError):
         pipeline.add_voice(Voice.load(ZH_VOICE, tmp_path / "my_voice.npz"))
     with pytest.raises(InputError):
