@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from api.errors import DeadlineExceeded, QueueFull
+from api.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from api.metrics import BATCH_BUCKETS, Metrics
 from device.engine import Engine
 from device.pipeline import Request, Unit
@@ -62,10 +62,16 @@ class BatchQueue:
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop after the batch in progress; items still queued are answered 503 instead of hanging."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        with self._cond:
+            left, self._items = list(self._items), deque()
+        for item in left:
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(ShuttingDown())
 
     def alive(self) -> bool:
         return self._thread.is_alive()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -146,7 +146,3 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
         if value is not None:
             values[name] = value
     return ServiceConfig(**values)
-
-
-def with_overrides(config: ServiceConfig, **changes: Any) -> ServiceConfig:
-    return replace(config, **{k: v for k, v in changes.items() if v is not None})

@@ -42,3 +42,8 @@ class DeadlineExceeded(ApiError):
 class NotReady(ApiError):
     def __init__(self) -> None:
         super().__init__(503, "not_ready", "the voice is still loading; retry shortly", retry_after=2)
+
+
+class ShuttingDown(ApiError):
+    def __init__(self) -> None:
+        super().__init__(503, "shutting_down", "the service is stopping; retry shortly", retry_after=5)

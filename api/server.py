@@ -6,8 +6,10 @@ pings come from the engine worker's loop, so a hung engine makes systemd restart
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 from api.app import create_app
 from api.config import ServiceConfig
 from api.sdnotify import notify, watchdog_interval
+from device.errors import InputError
 
 log = logging.getLogger("cosyedge.serve")
 
@@ -35,9 +38,14 @@ def serve(config: ServiceConfig) -> int:
 
     app = create_app(config)
     service = app.extensions["cosyedge"]
-    server = make_server(app, config.host, config.effective_port, config.http_threads)
+    try:
+        server = make_server(app, config.host, config.effective_port, config.http_threads)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {config.host}:{config.effective_port}: {exc.strerror or exc}") from None
     port = server.effective_port
     log.info("listening on http://%s:%s (voice loading)", config.host, port)
+    if not ipaddress.ip_address(socket.gethostbyname(config.host)).is_loopback:
+        log.warning("bound to %s: the service is reachable from other machines and has no authentication", config.host)
 
     def stop(signum: int, _frame: Any) -> None:
         raise _Stop(signal.Signals(signum).name)

@@ -43,6 +43,7 @@ def _error(status: int, body: bytes) -> dict:
     ("/v1/tts/batch", {"texts": []}, None, 400, "invalid_parameter"),
     ("/v1/tts/batch", {"texts": ["a"] * 65}, None, 413, "too_many_items"),
     ("/v1/nothing", {}, None, 404, "not_found"),
+    (SPEECH, b'{"input": "' + b"a" * (2 << 20) + b'"}', None, 413, "body_too_large"),
 ])
 def test_bad_input(server, path, body, headers, status, code):
     got, _, raw = server.post(path, body, headers=headers)
