@@ -83,9 +83,17 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         path = write_random_release(args.random_init, Path(args.template), Path(args.out))
         print(json.dumps({"release": str(path), "preset": args.random_init}))
         return 0
+    targets = [t for item in args.target or () for t in item.split(",") if t]
+    if (targets or args.allow_fallback) and not args.model_dir:
+        raise InputError("--target and --allow-fallback apply to --model-dir (CosyVoice2 releases) only")
     if args.model_dir:
         from quantize.cosyvoice2.bundle import write_bundle
-        path = write_bundle(Path(args.model_dir), Path(args.out))
+        from quantize.cosyvoice2.precision import TARGETS
+        unknown = [t for t in targets if t not in TARGETS]
+        if unknown:
+            raise InputError(f"unknown --target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+        path = write_bundle(Path(args.model_dir), Path(args.out), targets=list(dict.fromkeys(targets)),
+                            allow_fallback=args.allow_fallback)
     elif args.piper_model:
         from quantize.piper import build_piper_bundle
         model = Path(args.piper_model)
@@ -186,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--piper-model", help="a Piper voice .onnx")
     p.add_argument("--piper-config", help="its .onnx.json (default: next to the model)")
     p.add_argument("--out", help="bundle directory to write")
+    p.add_argument("--target", action="append", metavar="TARGET",
+                   help="with --model-dir: also build cpu, gpu-fp16 and/or trt-int8 graphs (repeatable or comma list); "
+                        "each quantized stage must pass its quality gate against fp32")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help="a stage that misses its gate keeps the next higher precision instead of failing the build")
     p.add_argument("--force", action="store_true", help="rebuild the default voice's bundle")
     p.set_defaults(func=cmd_quantize)
 

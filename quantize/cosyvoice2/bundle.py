@@ -9,7 +9,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,9 @@ from device.errors import ReleaseError
 from quantize.bundle_writer import TOOL_VERSION, BundleWriter, created_now
 from quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
 from quantize.cosyvoice2.hift import build_hift, export_hift
+from quantize.cosyvoice2.gates import GateConfig
 from quantize.cosyvoice2.llm import LLMConfig, build_llm, embedding_tables, export_llm
+from quantize.cosyvoice2.precision import build_targets
 from quantize.cosyvoice2.release import YAML_NAME, Release
 from quantize.cosyvoice2.tokenizer import write_tokenizer_json
 
@@ -88,8 +90,14 @@ def _voices(release: Release, work: Path, tokenizer_json: Path) -> list[tuple[st
     return out
 
 
-def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
-    """Build an fp32 `cosyvoice2` bundle from an official release directory; returns the bundle path."""
+def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] = (), allow_fallback: bool = False
+                 ) -> Path:
+    """Build a `cosyvoice2` bundle from an official release directory; returns the bundle path.
+
+    The fp32 graphs are always written; each of `targets` (cpu, gpu-fp16, trt-int8; see precision.py) adds its
+    graphs after every quantized stage passed its quality gate against fp32 (gates.py). A missed gate raises
+    ReleaseError naming the stage unless `allow_fallback` (then the stage keeps a higher precision).
+    """
     started = time.perf_counter()
     release = Release.open(model_dir)
     llm_config, flow_config = LLMConfig.from_release(release.hparams, release.qwen_config), FlowConfig.from_hparams(release.hparams)
@@ -110,7 +118,8 @@ def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
 
         write_tokenizer_json(release.root / "CosyVoice-BlankEN", work / "tokenizer.json")
         writer.add_asset("tokenizer", "tokenizer.json")
-        for name, table in embedding_tables(modules["llm"]).items():
+        tables = embedding_tables(modules["llm"])
+        for name, table in tables.items():
             np.save(work / f"{name}.npy", table)
             writer.add_asset(name, f"{name}.npy")
         np.save(work / "cfm_noise.npy", fixed_noise())
@@ -119,6 +128,22 @@ def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
         for name, rel in voices:
             writer.add_asset(f"voice:{name}", rel)
         del modules
+        built = None
+        if targets:
+            gate_config = GateConfig(
+                embed_tokens=tables["embed_tokens"], speech_embedding=tables["speech_embedding"],
+                llm_embedding=tables["llm_embedding"], speech_token_size=llm_config.speech_token_size,
+                token_mel_ratio=flow_config.token_mel_ratio, pre_lookahead_len=flow_config.pre_lookahead_len,
+                inference_cfg_rate=flow_config.inference_cfg_rate, n_timesteps=10, noise=fixed_noise(),
+                sample_rate=int(release.hparams["sample_rate"]), hift_upsample=480,
+                spk_embed_dim=flow_config.spk_embed_dim)
+            fp32 = {c.name: work / c.file for c in writer.components if c.name not in ONNX_STAND_INS}
+            t0 = time.perf_counter()
+            built = build_targets(targets, fp32, work, gate_config, allow_fallback, log=log.info)
+            for (component, precision), path in built.files.items():
+                writer.add_component(component, precision, path.name)
+            timings["targets"] = round(time.perf_counter() - t0, 2)
+        del tables
 
         source_files = sorted(p for p in release.root.rglob("*") if p.is_file() and p.suffix in (".pt", ".onnx", ".yaml", ".json", ".txt"))
         writer.write_manifest(
@@ -130,7 +155,9 @@ def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
                     "token_mel_ratio": flow_config.token_mel_ratio, "pre_lookahead_len": flow_config.pre_lookahead_len,
                     "n_timesteps": 10, "inference_cfg_rate": flow_config.inference_cfg_rate,
                     "mel": _mel_config(release.hparams), "hift_upsample": 480, "stream": STREAM,
-                    "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30},
+                    "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30,
+                    **({"targets": built.targets} if built else {})},
+            quality=built.quality if built else {},
             provenance={"source": release.root.name, "tool_version": TOOL_VERSION, "created": created_now(),
                         "export_seconds": timings,
                         "source_files": {str(p.relative_to(release.root)): sha256_file(p) for p in source_files}},
