@@ -37,7 +37,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     check_sample_rate(args.sample_rate)
     engine = _engine(args)
     segment = engine.synthesize(text, voice=args.voice, speed=args.speed, deterministic=args.deterministic,
-                                seed=args.seed, sampling=args.sampling)
+                                seed=args.seed, sampling=args.sampling, mode=args.mode, instruct_text=args.instruct)
     out.write_bytes(encode(segment, fmt, args.sample_rate))
     print(f"{out.name}: {segment.duration_seconds:.2f} s of audio at {args.sample_rate or segment.frame_rate} Hz", file=sys.stderr)
     return 0
@@ -56,9 +56,21 @@ def cmd_synth_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_voices(args: argparse.Namespace) -> int:
+    """List voices (speaker id, name); `voices add` registers a zero-shot voice, `voices remove` deletes one."""
     engine = _engine(args)
-    for index, name in enumerate(engine.voices()):
-        print(f"{index}\t{name}")
+    if args.voices_command == "add":
+        try:
+            audio = Path(args.wav).read_bytes()
+        except OSError:
+            raise InputError(f"prompt audio {Path(args.wav).name!r} cannot be read") from None
+        engine.add_voice(args.name, audio, args.text)
+        print(f"registered voice {args.name!r}", file=sys.stderr)
+    elif args.voices_command == "remove":
+        engine.remove_voice(args.name)
+        print(f"removed voice {args.name!r}", file=sys.stderr)
+    else:
+        for index, name in enumerate(engine.voices()):
+            print(f"{index}\t{name}")
     return 0
 
 
@@ -165,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true", help="no sampling noise: the same text gives the same audio")
     p.add_argument("--seed", type=int)
     p.add_argument("--sampling", choices=["default", "greedy"], default="default")
+    p.add_argument("--mode", choices=["zero_shot", "sft", "cross_lingual", "instruct2"],
+                   help="CosyVoice: inference mode (default: the voice's own)")
+    p.add_argument("--instruct", help="CosyVoice instruct2: how to speak, e.g. '用四川话说这句话'")
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("synth-batch", help="speak every line of a .txt or .csv (id,text) file, resumably")
@@ -178,9 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_synth_batch)
 
-    p = sub.add_parser("voices", help="list the voices of a bundle")
+    p = sub.add_parser("voices", help="list, add or remove the voices of a bundle")
     _add_engine_args(p)
-    p.set_defaults(func=cmd_voices)
+    p.set_defaults(func=cmd_voices, voices_command=None)
+    voices = p.add_subparsers(dest="voices_command")
+    add = voices.add_parser("add", help="register a zero-shot voice from a 1-30 s recording and its transcript")
+    add.add_argument("name")
+    add.add_argument("--wav", required=True, help="prompt recording (wav, flac, ogg or mp3; any sample rate)")
+    add.add_argument("--text", required=True, help="what the speaker says in the recording")
+    _add_engine_args(add)
+    remove = voices.add_parser("remove", help="delete a registered voice")
+    remove.add_argument("name")
+    _add_engine_args(remove)
 
     p = sub.add_parser("info", help="show a bundle's manifest")
     p.add_argument("bundle")

@@ -13,7 +13,7 @@ from pydub import AudioSegment
 from device import text as textmod
 from device.audio import to_segment
 from device.bundle import Bundle
-from device.errors import BundleError, InputError, UnknownVoiceError
+from device.errors import BundleError, CosyedgeError, InputError, UnknownVoiceError
 from device.pipeline import SPEED_RANGE, Pipeline, Request, Unit
 from device.sessions import SessionConfig
 
@@ -68,9 +68,56 @@ class Engine:
         bundle = Bundle.load(bundle_path, precision=chosen)
         engine = cls(bundle, _load_pipeline(bundle, chosen, sessions or SessionConfig.from_env()), chosen,
                      options or BatchOptions())
+        engine._load_registered_voices()
         if warmup:
             engine.warmup()
         return engine
+
+    # -- voices registered at run time ----------------------------------------------------------
+    def _voice_store(self):
+        from device.default_voice import state_dir
+        from device.voice_store import VoiceStore
+        return VoiceStore.for_bundle(self.bundle, state_dir())
+
+    def _load_registered_voices(self) -> None:
+        load = getattr(self.pipeline, "load_voice", None)
+        if load is None:
+            return
+        for name, path in self._voice_store().files():
+            try:
+                load(name, path)
+            except CosyedgeError as exc:  # one broken file must not stop the service
+                log.warning("registered voice %s skipped: %s", name, exc)
+
+    def add_voice(self, name: str, audio: bytes, prompt_text: str, replace: bool = False) -> str:
+        """Register a zero-shot voice from a 1-30 s recording (any common format) and its transcript.
+
+        Its tokens, mel and embedding are computed once, stored in the state directory and kept across restarts.
+        """
+        from device.voice_store import check_voice_name, read_prompt_audio
+        make = getattr(self.pipeline, "make_voice", None)
+        if make is None:
+            raise InputError(f"{self.bundle.manifest.family} bundles have fixed voices; registering a voice needs a "
+                             "CosyVoice bundle")
+        check_voice_name(name)
+        if name in self.voices() and not replace:
+            raise InputError(f"voice {name!r} already exists; remove it first or choose another name")
+        if not isinstance(prompt_text, str) or not prompt_text.strip():
+            raise InputError("the transcript of the prompt audio is missing; zero-shot voices need it")
+        wav, rate = read_prompt_audio(audio)
+        voice = make(name, wav, rate, prompt_text)
+        self._voice_store().save(name, voice.save)
+        self.pipeline.add_voice(voice)
+        return name
+
+    def remove_voice(self, name: str) -> None:
+        from device.voice_store import check_voice_name
+        check_voice_name(name)
+        remove = getattr(self.pipeline, "remove_voice", None)
+        if remove is None:
+            raise InputError(f"{self.bundle.manifest.family} bundles have fixed voices")
+        remove(name)
+        self._voice_store().remove(name)
 
     # -- properties -------------------------------------------------------------------------
     @property

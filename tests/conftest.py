@@ -38,3 +38,17 @@ def default_engine(default_bundle_path: Path):
     from device.engine import Engine
     from device.sessions import SessionConfig
     return Engine.load(default_bundle_path, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
+
+
+@pytest.fixture(scope="session")
+def cv2_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny official-layout CosyVoice2 release as an fp32 bundle, built once per test run."""
+    import torch
+
+    from quantize.cosyvoice2.bundle import write_bundle
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return write_bundle(golden_dir / "cosyvoice2-tiny", tmp_path_factory.mktemp("cv2") / "tiny")
+    finally:
+        torch.set_num_threads(threads)

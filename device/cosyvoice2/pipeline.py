@@ -11,9 +11,9 @@ noise-free output.
 """
 from __future__ import annotations
 
-import re
 import threading
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -30,8 +30,8 @@ from device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
 from device.errors import BundleError, InputError, UnknownVoiceError
 from device.pipeline import Request, Unit
 from device.sessions import SessionConfig, create_session
+from device.voice_store import check_voice_name
 
-VOICE_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
@@ -139,8 +139,7 @@ class CosyVoice2Pipeline:
     def make_voice(self, name: str, wav: np.ndarray, sample_rate: int, prompt_text: str) -> Voice:
         """A zero-shot voice from a prompt recording and its transcript, as the official zero-shot frontend
         prepares them (speech tokens, flow mel and CAM++ embedding; the transcript normalised, not split)."""
-        if not VOICE_NAME.fullmatch(name or ""):
-            raise InputError("voice names are 1-64 characters: letters, digits, '-', '_' and '.'")
+        check_voice_name(name)
         text = self.validate_text(prompt_text, MAX_PROMPT_TEXT)
         with self._frontend_lock:
             normalised = self._frontend.normalize(text, split=False)[0]
@@ -155,6 +154,15 @@ class CosyVoice2Pipeline:
         if voice.name in self._bundle_voices:
             raise InputError(f"voice {voice.name!r} is part of the bundle; choose another name")
         self._voices = {**self._voices, voice.name: voice}  # a new dict: readers never see one being resized
+
+    def load_voice(self, name: str, path: Path) -> None:
+        """A voice registered earlier (state directory), in the bundle's voice file format."""
+        self.add_voice(Voice.load(name, path))
+
+    def remove_voice(self, name: str) -> None:
+        if name in self._bundle_voices:
+            raise InputError(f"voice {name!r} is part of the bundle and cannot be removed")
+        self._voices = {k: v for k, v in self._voices.items() if k != name}
 
     def _prompt_sessions(self) -> tuple[Any, Any]:
         """CAM++ and the speech tokenizer, created on first use (CPU: the official code runs them there)."""

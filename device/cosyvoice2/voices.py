@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -64,7 +65,7 @@ class Voice:
             raise BundleError(f"voice {name!r}: malformed voice file ({type(exc).__name__}: {exc})") from None
         raise BundleError(f"voice {name!r}: unknown kind {kind!r} (expected sft or zero_shot)")
 
-    def save(self, path: Path) -> None:
+    def save(self, target: Path | BinaryIO) -> None:
         """Write the voice file format of docs/bundle_cosyvoice2.md (runtime-registered voices use it too)."""
         if self.kind == "sft":
             arrays = {"kind": np.array("sft"), "embedding": self.flow_embedding}
@@ -74,8 +75,7 @@ class Voice:
                       "llm_prompt_speech_token": np.asarray(self.llm_prompt_speech, np.int64),
                       "flow_prompt_speech_token": self.flow_prompt_speech, "prompt_speech_feat": self.prompt_mel,
                       "llm_embedding": self.flow_embedding, "flow_embedding": self.flow_embedding}
-        with Path(path).open("wb") as handle:
-            np.savez(handle, **arrays)
+        np.savez(target, **arrays)
 
     @property
     def default_mode(self) -> str:

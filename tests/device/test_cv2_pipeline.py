@@ -58,16 +58,8 @@ def stream_index(cv2_tiny_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cv2_bundle(cv2_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-
-    from quantize.cosyvoice2.bundle import write_bundle
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return write_bundle(cv2_tiny_dir, tmp_path_factory.mktemp("cv2") / "tiny")
-    finally:
-        torch.set_num_threads(threads)
+def cv2_bundle(cv2_tiny_bundle: Path) -> Path:
+    return cv2_tiny_bundle
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,83 @@
+"""Voices registered at run time: kept in the state directory, one folder per bundle, loaded at start-up.
+
+A registered voice stores its precomputed prompt tokens, mel and embedding, so synthesis never
+recomputes them and they survive restarts. Bundles are read-only; registered voices never go into them.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from device.bundle import Bundle
+from device.errors import InputError
+
+VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+MIN_PROMPT_SECONDS, MAX_PROMPT_SECONDS = 1.0, 30.0
+SILENCE_RMS = 1e-3
+
+
+def check_voice_name(name: object) -> str:
+    """Letters, digits, '-', '_', '.'; not starting with '.', so a name is never a path."""
+    if not isinstance(name, str) or not VOICE_NAME.fullmatch(name):
+        raise InputError("voice names are 1-64 characters: letters, digits, '-', '_' and '.', starting with a "
+                         "letter or digit")
+    return name
+
+
+def read_prompt_audio(data: bytes) -> tuple[np.ndarray, int]:
+    """Any format libsndfile reads (wav, flac, ogg, mp3), any rate, mono-mixed; the checks of a usable prompt."""
+    try:
+        wav, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (RuntimeError, sf.LibsndfileError, TypeError, ValueError):
+        raise InputError("prompt audio is not a readable audio file (wav, flac, ogg or mp3)") from None
+    wav = wav.mean(axis=1)
+    seconds = wav.size / rate
+    if seconds < MIN_PROMPT_SECONDS:
+        raise InputError(f"prompt audio is {seconds:.2f} s long; give {MIN_PROMPT_SECONDS:.0f}-{MAX_PROMPT_SECONDS:.0f} s of speech")
+    if seconds > MAX_PROMPT_SECONDS:
+        raise InputError(f"prompt audio is {seconds:.1f} s long; at most {MAX_PROMPT_SECONDS:.0f} s is supported")
+    if not np.all(np.isfinite(wav)) or float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) < SILENCE_RMS:
+        raise InputError("prompt audio is silent (or invalid); record the speaker saying the transcript")
+    return wav, int(rate)
+
+
+class VoiceStore:
+    """`<state dir>/voices/<family>-<bundle name>/<voice>.npz`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @classmethod
+    def for_bundle(cls, bundle: Bundle, state_dir: Path) -> "VoiceStore":
+        manifest = bundle.manifest
+        folder = re.sub(r"[^A-Za-z0-9_.\-]", "_", f"{manifest.family}-{manifest.name}")
+        return cls(state_dir / "voices" / folder)
+
+    def files(self) -> list[tuple[str, Path]]:
+        if not self.root.is_dir():
+            return []
+        return sorted((p.stem, p) for p in self.root.glob("*.npz") if VOICE_NAME.fullmatch(p.stem))
+
+    def path(self, name: str) -> Path:
+        return self.root / f"{check_voice_name(name)}.npz"
+
+    def save(self, name: str, write) -> Path:
+        """`write(file_object)` writes the voice; the file appears complete or not at all."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        target = self.path(name)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        with partial.open("wb") as handle:
+            write(handle)
+        partial.replace(target)
+        return target
+
+    def remove(self, name: str) -> None:
+        path = self.path(name)
+        if not path.is_file():
+            raise InputError(f"voice {name!r} is not a registered voice")
+        path.unlink()
