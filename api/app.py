@@ -52,6 +52,8 @@ class Service:
         self.ready = threading.Event()
         self.limiter = RateLimiter(config.rate_limit_per_s, config.rate_limit_burst) if config.rate_limit_per_s else None
         self._dead_lock = threading.Lock()
+        self._inflight = 0
+        self._idle = threading.Condition()
         self.metrics.gauge("cosyedge_ready", lambda: 1.0 if self.ready.is_set() else 0.0)
         self.metrics.gauge("cosyedge_queue_depth", lambda: self.batcher.depth() if self.batcher else 0)
 
@@ -75,6 +77,22 @@ class Service:
         encode(to_segment(self.batcher.wait(future, time.monotonic() + 600), engine.sample_rate), "wav")
         self.ready.set()
         return time.perf_counter() - start
+
+    def enter(self) -> None:
+        with self._idle:
+            self._inflight += 1
+
+    def leave(self) -> None:
+        with self._idle:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Stop admitting synthesis (readyz and new requests answer 503), wait for requests under way."""
+        self.ready.clear()
+        with self._idle:
+            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
 
     def stop(self) -> None:
         self.ready.clear()
@@ -199,6 +217,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
     # -- cross-cutting: request id, metrics, rate limit, errors ----------------------------------
     @app.before_request
     def _begin() -> None:
+        service.enter()
         g.started = time.perf_counter()
         g.request_id = uuid.uuid4().hex[:16]
         if service.limiter is not None and request.endpoint in SYNTH_ENDPOINTS:
@@ -214,6 +233,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         response.headers["X-Request-Id"] = g.get("request_id", "")
 
         def record() -> None:
+            service.leave()
             metrics.inc("cosyedge_requests_total", route=route, status=status)
             metrics.observe("cosyedge_request_duration_seconds", time.perf_counter() - started, route=route)
         response.call_on_close(record)  # after the last byte, so streams count their whole length

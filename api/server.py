@@ -20,6 +20,7 @@ from api.sdnotify import notify, watchdog_interval
 from device.errors import InputError
 
 log = logging.getLogger("cosyedge.serve")
+DRAIN_SECONDS = 10.0  # below the units' TimeoutStopSec=20
 
 
 class _Stop(Exception):
@@ -73,6 +74,8 @@ def serve(config: ServiceConfig) -> int:
         return 1
     finally:
         notify("STOPPING=1")
+        if not service.drain(DRAIN_SECONDS):
+            log.warning("stopping with requests still under way after %.0f s", DRAIN_SECONDS)
         service.stop()
         server.close()
     return 0

@@ -82,3 +82,16 @@ def test_rate_limit_answers_429(default_engine, tmp_path):
         assert status == 429 and int(headers["retry-after"]) >= 1
         assert json.loads(body)["error"]["type"] == "rate_limit_error"
         assert srv.post("/v1/tts", {"text": "Hi."}, headers={"Authorization": "Bearer client-b"})[0] == 200
+
+
+def test_drain_waits_for_requests_under_way(fault_engine, fault_pipeline, tmp_path):
+    with run_server(api_config(tmp_path), fault_engine) as srv, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(srv.post, "/v1/tts", {"text": "Please hold the line."})
+        assert fault_pipeline.holding.wait(30)
+        assert not srv.service.drain(0.2)  # the held request is still under way
+        status, headers, body = srv.post("/v1/tts", {"text": "Too late, we are stopping."})
+        assert status == 503 and json.loads(body)["error"]["code"] == "not_ready" and headers["retry-after"]
+        assert srv.request("GET", "/readyz")[0] == 503
+        fault_pipeline.release.set()
+        assert held.result(timeout=60)[0] == 200
+        assert srv.service.drain(10)

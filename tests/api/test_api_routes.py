@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from api.openapi import spec
 
@@ -28,8 +29,12 @@ def test_voices_models_health(server):
 
 def test_metrics_exposition(server):
     server.post("/v1/tts", {"text": "Count me."})
-    status, headers, raw = server.request("GET", "/metrics")
-    text = raw.decode()
+    for _ in range(100):  # bounded: a request is counted when its response closes, just after the last byte
+        status, headers, raw = server.request("GET", "/metrics")
+        text = raw.decode()
+        if 'cosyedge_requests_total{route="/v1/tts",status="200"}' in text:
+            break
+        time.sleep(0.01)
     assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     for name in ("cosyedge_requests_total", "cosyedge_request_duration_seconds_bucket", "cosyedge_queue_depth",
                  "cosyedge_batch_size_bucket", "cosyedge_audio_seconds_total", "cosyedge_rtf"):
