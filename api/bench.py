@@ -88,7 +88,10 @@ def run_api_bench(url: str | None = None, bundle: str | None = None, clients: in
     _post(host, port, {"text": "Warm up.", "format": "wav"})
 
     whole = [_post(host, port, {"text": t, "format": "wav"}) for t in texts]
-    streamed = [_post(host, port, {"text": t, "format": "pcm", "stream": True}) for t in texts]
+    paragraph = " ".join(SENTENCES)  # several sentences: where streaming pays
+    rounds = max(1, single_rounds // 3)
+    para_whole = [_post(host, port, {"text": paragraph, "format": "wav"}) for _ in range(rounds)]
+    para_stream = [_post(host, port, {"text": paragraph, "format": "pcm", "stream": True}) for _ in range(rounds)]
 
     batches_before = _metric(host, port, "cosyedge_batch_size_count")
     items_before = _metric(host, port, "cosyedge_batch_size_sum")
@@ -116,8 +119,12 @@ def run_api_bench(url: str | None = None, bundle: str | None = None, clients: in
         "url": url, "machine": platform.machine(), "python": platform.python_version(),
         "single_client": {"requests": len(texts), "audio_s_mean": round(statistics.fmean(w[2] for w in whole), 3),
                           "latency_s": _summary([w[1] for w in whole]),
-                          "stream_first_byte_s": _summary([s[0] for s in streamed]),
                           "rtf": round(sum(w[1] for w in whole) / sum(w[2] for w in whole), 4)},
+        "paragraph": {"sentences": len(SENTENCES), "requests": rounds,
+                      "audio_s": round(statistics.fmean(w[2] for w in para_whole), 3),
+                      "whole_latency_s": _summary([w[1] for w in para_whole]),
+                      "stream_first_byte_s": _summary([w[0] for w in para_stream]),
+                      "stream_total_s": _summary([w[1] for w in para_stream])},
         "concurrent": {"clients": clients, "requests": len(results), "wall_s": round(wall, 3),
                        "audio_s": round(audio, 2), "audio_s_per_s": round(audio / wall, 2),
                        "latency_s": _summary([r[1] for r in results]),
@@ -126,14 +133,15 @@ def run_api_bench(url: str | None = None, bundle: str | None = None, clients: in
 
 
 def format_report(report: dict) -> str:
-    single, many = report["single_client"], report["concurrent"]
+    single, para, many = report["single_client"], report["paragraph"], report["concurrent"]
     return "\n".join([
         f"cosyedge API bench ({report['url']}, {report['machine']})",
         f"single client, {single['requests']} requests of ~{single['audio_s_mean']} s audio:",
         f"  whole-file latency p50 {single['latency_s']['p50']:.3f} s, p90 {single['latency_s']['p90']:.3f} s "
         f"(RTF {single['rtf']:.3f})",
-        f"  streamed first byte p50 {single['stream_first_byte_s']['p50']:.3f} s, "
-        f"p90 {single['stream_first_byte_s']['p90']:.3f} s",
+        f"paragraph of {para['sentences']} sentences ({para['audio_s']} s audio), {para['requests']} requests each:",
+        f"  whole-file latency p50 {para['whole_latency_s']['p50']:.3f} s; streamed (pcm) first byte p50 "
+        f"{para['stream_first_byte_s']['p50']:.3f} s, last byte p50 {para['stream_total_s']['p50']:.3f} s",
         f"{many['clients']} clients, {many['requests']} requests in {many['wall_s']:.2f} s:",
         f"  throughput {many['audio_s_per_s']:.2f} audio s per s, latency p50 {many['latency_s']['p50']:.3f} s, "
         f"p90 {many['latency_s']['p90']:.3f} s, mean batch {many['mean_batch_size']}",
