@@ -399,11 +399,13 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     calibration: dict[str, list] = {}
 
     def calibration_for(graph: str) -> list:
-        if not calibration:
-            log("recording calibration inputs from fp32 runs")
-            calibration.update(gates.llm_calibration())
-            calibration["flow_estimator"], mels = gates.flow_calibration()
-            calibration["hift_decoder"] = gates.hift_calibration(mels)
+        if graph not in calibration:
+            log(f"recording calibration inputs of {graph} from fp32 runs")
+            if graph.startswith("llm_"):
+                calibration.update(gates.llm_calibration())
+            else:
+                calibration["flow_estimator"], mels = gates.flow_calibration()
+                calibration["hift_decoder"] = gates.hift_calibration(mels)
         return calibration.get(graph, [])
 
     def path_of(v: Variant) -> Path:
