@@ -24,6 +24,7 @@ class Request:
     sampling: str = "default"  # "default" (the release's sampler) or "greedy"
     mode: str | None = None  # CosyVoice: zero_shot, sft, cross_lingual, instruct2 (None = the voice's default)
     instruct_text: str | None = None  # CosyVoice instruct2: how to speak ("用四川话说这句话")
+    pin_tokens: int | None = None  # CosyVoice bench: generate exactly this many speech tokens per unit (no stop)
 
 
 @dataclass(frozen=True)

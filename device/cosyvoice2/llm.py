@@ -34,9 +34,18 @@ class DecodeConfig:
                    max_token_text_ratio=float(cfg["max_token_text_ratio"]),
                    sampling=SamplingConfig.from_config(cfg["sampling"]))
 
-    def min_max_len(self, n_text_tokens: int) -> tuple[int, int]:
-        """Official limits, counted over the target text tokens only (prompt text excluded)."""
+    def min_max_len(self, n_text_tokens: int, pin: int | None = None) -> tuple[int, int]:
+        """Official limits, counted over the target text tokens only (prompt text excluded); `pin` fixes both
+        (benchmarks: random-weight models never stop sensibly)."""
+        if pin is not None:
+            return int(pin), int(pin)
         return int(n_text_tokens * self.min_token_text_ratio), int(n_text_tokens * self.max_token_text_ratio)
+
+    def unstoppable(self, logits: np.ndarray) -> np.ndarray:
+        """Logits with every stop id at -inf: a pinned length must not end early on a non-eos stop id."""
+        logits = np.array(logits, copy=True)
+        logits[..., sorted(self.stop_ids)] = -np.inf
+        return logits
 
 
 def _device(session: ort.InferenceSession) -> str:
@@ -70,16 +79,19 @@ class SpeechLM:
         return np.concatenate(rows, axis=0)[None].astype(np.float32, copy=False)
 
     def tokens(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool,
-               rng: np.random.Generator) -> Iterator[int]:
-        """Generated speech tokens, each yielded as soon as it is chosen (stop tokens are not yielded)."""
+               rng: np.random.Generator, pin: int | None = None) -> Iterator[int]:
+        """Generated speech tokens, each yielded as soon as it is chosen (stop tokens are not yielded);
+        `pin` = exactly that many tokens (benchmarks)."""
         cfg = self.config
-        min_len, max_len = cfg.min_max_len(n_text_tokens)
+        min_len, max_len = cfg.min_max_len(n_text_tokens, pin)
         length = lm_input.shape[1]
         logits, key, value = self._run(self._prefill, {"inputs_embeds": lm_input,
                                                        "attention_mask": np.ones((1, length), np.int64)})
         logits = logits[0]
         history: list[int] = []
         for step in range(max_len):
+            if pin is not None:
+                logits = cfg.unstoppable(logits)
             token = choose_token(logits, step, min_len, cfg.eos, history, greedy, cfg.sampling, rng)
             if token in cfg.stop_ids:
                 return
@@ -95,13 +107,13 @@ class SpeechLM:
             logits = logits[0]
 
     def batch_tokens(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
-                     rng: np.random.Generator) -> list[list[int]]:
+                     rng: np.random.Generator, pin: int | None = None) -> list[list[int]]:
         """Speech tokens of several prompts decoded together (left padding); each row keeps its own length
         rule and history and stops on its own; the batch runs until the last row stops. Rows draw from `rng`
-        in row order at each step."""
+        in row order at each step. `pin` = exactly that many tokens per row (benchmarks)."""
         cfg = self.config
         rows = len(lm_inputs)
-        limits = [cfg.min_max_len(n) for n in n_text_tokens]
+        limits = [cfg.min_max_len(n, pin) for n in n_text_tokens]
         lengths = np.array([x.shape[1] for x in lm_inputs], np.int64)
         width = int(lengths.max())
         embeds = np.zeros((rows, width, self.hidden_size), np.float32)
@@ -114,6 +126,8 @@ class SpeechLM:
         active = [max_len > 0 for _, max_len in limits]
         step = 0
         while True:
+            if pin is not None:
+                logits = cfg.unstoppable(logits)
             fed = np.zeros(rows, np.int64)  # finished rows feed token 0; their results are ignored
             for row in range(rows):
                 if not active[row]:

@@ -111,7 +111,7 @@ class CosyVoice2Pipeline:
         rng = np.random.default_rng(request.seed)
         lm_inputs = [self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech) for unit in units]
         token_rows = self._lm.batch_tokens(lm_inputs, [len(unit.ids) for unit in units],
-                                           request.sampling == "greedy", rng)
+                                           request.sampling == "greedy", rng, pin=request.pin_tokens)
         spoken = [row for row, tokens in enumerate(token_rows) if tokens]
         mels = self._flow.mels(inputs.flow, [np.asarray(token_rows[row], np.int64) for row in spoken]) if spoken else []
         waves = [np.zeros(0, np.float32) for _ in units]
@@ -191,7 +191,7 @@ class CosyVoice2Pipeline:
 
     def _tokens(self, unit: Unit, inputs: ModeInputs, request: Request, rng: np.random.Generator) -> Iterator[int]:
         lm_input = self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech)
-        return self._lm.tokens(lm_input, len(unit.ids), request.sampling == "greedy", rng)
+        return self._lm.tokens(lm_input, len(unit.ids), request.sampling == "greedy", rng, pin=request.pin_tokens)
 
     def _mode_inputs(self, request: Request) -> ModeInputs:
         voice = self._voices.get(request.voice)
