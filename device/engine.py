@@ -198,10 +198,15 @@ class Engine:
             yield from self.pipeline.stream(unit, request)
 
     def render_requests(self, jobs: Sequence[tuple[list[Unit], Request]]) -> list[np.ndarray]:
-        """Several validated requests at once: units of equal request options run as one batch.
+        """Several validated requests at once, results in job order; this is what the API's batch queue calls.
 
-        This is what the API's batch queue calls; results come back in job order.
+        A pipeline with `render_jobs` (CosyVoice2: every request decodes in shared LLM steps whatever its options)
+        takes them all; otherwise units of equal request options run as one batch.
         """
+        render_jobs = getattr(self.pipeline, "render_jobs", None)
+        if render_jobs is not None:
+            return [np.concatenate(waves) if waves else np.zeros(0, np.float32)
+                    for waves in render_jobs([(list(units), req) for units, req in jobs])]
         flat: list[tuple[int, Unit, Request]] = [(j, unit, req) for j, (units, req) in enumerate(jobs) for unit in units]
         rendered: dict[int, np.ndarray] = {}
         groups: dict[Request, list[int]] = {}

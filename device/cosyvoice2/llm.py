@@ -2,7 +2,12 @@
 
 Graph signatures: quantize/cosyvoice2/llm.py. The KV cache never round-trips through numpy: the prefill's
 `present_*` outputs stay ORT values (on the session's device) and are bound as the next step's `past_*` inputs;
-only the logits row [1, V] is copied out for sampling. Batch 1, no padding: positions are consecutive.
+only the logits [B, V] are copied out for sampling.
+
+Batched cache layout (`KVCache`): rows are right-aligned, so row r's real positions fill the last `lengths[r]`
+slots of the P slots and the attention mask is derived from the lengths. A left-padded prefill produces that
+layout and every decode step keeps it (one slot appended to every row); `merge_caches` rebuilds it when rows
+join or leave a running batch. A single unpadded row is the plain batch-1 cache (mask all ones).
 """
 from __future__ import annotations
 
@@ -48,6 +53,19 @@ class DecodeConfig:
         return logits
 
 
+@dataclass(frozen=True, eq=False)
+class KVCache:
+    """The LLM cache of a batch [NL, B, KV, P, D] (ORT values on the session's device) and each row's count of
+    real positions; rows are right-aligned (see the module docstring)."""
+    key: ort.OrtValue
+    value: ort.OrtValue
+    lengths: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return int(self.key.shape()[3])
+
+
 def _device(session: ort.InferenceSession) -> str:
     return "cuda" if session.get_providers()[0] in _GPU_PROVIDERS else "cpu"
 
@@ -80,31 +98,24 @@ class SpeechLM:
 
     def tokens(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool,
                rng: np.random.Generator, pin: int | None = None) -> Iterator[int]:
-        """Generated speech tokens, each yielded as soon as it is chosen (stop tokens are not yielded);
+        """Generated speech tokens of one prompt decoded alone, each yielded as soon as it is chosen (stop tokens
+        are not yielded). The runtime decodes through `DecodeScheduler`; this is its single-row reference.
         `pin` = exactly that many tokens (benchmarks)."""
         cfg = self.config
         min_len, max_len = cfg.min_max_len(n_text_tokens, pin)
-        length = lm_input.shape[1]
-        logits, key, value = self._run(self._prefill, {"inputs_embeds": lm_input,
-                                                       "attention_mask": np.ones((1, length), np.int64)})
-        logits = logits[0]
+        logits, cache = self.prefill([lm_input])
         history: list[int] = []
         for step in range(max_len):
             if pin is not None:
                 logits = cfg.unstoppable(logits)
-            token = choose_token(logits, step, min_len, cfg.eos, history, greedy, cfg.sampling, rng)
+            token = choose_token(logits[0], step, min_len, cfg.eos, history, greedy, cfg.sampling, rng)
             if token in cfg.stop_ids:
                 return
             history.append(token)
             yield token
             if step + 1 == max_len:
                 return
-            position = length + step
-            logits, key, value = self._run(self._decode, {
-                "inputs_embeds": self._speech_embedding[token][None, None],
-                "attention_mask": np.ones((1, position + 1), np.int64),
-                "position_ids": np.array([[position]], np.int64)}, key, value)
-            logits = logits[0]
+            logits, cache = self.decode(np.array([token], np.int64), cache)
 
     def batch_tokens(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
                      rng: np.random.Generator, pin: int | None = None) -> list[list[int]]:
@@ -114,14 +125,7 @@ class SpeechLM:
         cfg = self.config
         rows = len(lm_inputs)
         limits = [cfg.min_max_len(n, pin) for n in n_text_tokens]
-        lengths = np.array([x.shape[1] for x in lm_inputs], np.int64)
-        width = int(lengths.max())
-        embeds = np.zeros((rows, width, self.hidden_size), np.float32)
-        mask = np.zeros((rows, width), np.int64)
-        for row, x in enumerate(lm_inputs):
-            embeds[row, width - x.shape[1]:] = x[0]
-            mask[row, width - x.shape[1]:] = 1
-        logits, key, value = self._run(self._prefill, {"inputs_embeds": embeds, "attention_mask": mask})
+        logits, cache = self.prefill(lm_inputs)
         histories: list[list[int]] = [[] for _ in range(rows)]
         active = [max_len > 0 for _, max_len in limits]
         step = 0
@@ -142,11 +146,48 @@ class SpeechLM:
                 active[row] = len(histories[row]) < max_len
             if not any(active):
                 return histories
-            mask = np.concatenate([mask, np.ones((rows, 1), np.int64)], axis=1)
-            logits, key, value = self._run(self._decode, {
-                "inputs_embeds": self._speech_embedding[fed][:, None],
-                "attention_mask": mask, "position_ids": (lengths + step)[:, None]}, key, value)
+            logits, cache = self.decode(fed, cache)
             step += 1
+
+    def prefill(self, lm_inputs: Sequence[np.ndarray]) -> tuple[np.ndarray, "KVCache"]:
+        """One prefill call over prompts [1, L_r, H] of any lengths (left padding): logits [B, V] and the cache."""
+        lengths = np.array([x.shape[1] for x in lm_inputs], np.int64)
+        width = int(lengths.max())
+        embeds = np.zeros((len(lm_inputs), width, self.hidden_size), np.float32)
+        for row, x in enumerate(lm_inputs):
+            embeds[row, width - x.shape[1]:] = x[0]
+        mask = (np.arange(width)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
+        logits, key, value = self._run(self._prefill, {"inputs_embeds": embeds, "attention_mask": mask})
+        return logits, KVCache(key, value, lengths)
+
+    def decode(self, tokens: np.ndarray, cache: "KVCache") -> tuple[np.ndarray, "KVCache"]:
+        """One decode step: token r [B] goes to row r at its own next position; logits [B, V] and the longer cache."""
+        width = cache.width
+        mask = (np.arange(width + 1)[None, :] >= (width - cache.lengths)[:, None]).astype(np.int64)
+        logits, key, value = self._run(self._decode, {
+            "inputs_embeds": self._speech_embedding[np.asarray(tokens, np.int64)][:, None],
+            "attention_mask": mask, "position_ids": cache.lengths[:, None]}, cache.key, cache.value)
+        return logits, KVCache(key, value, cache.lengths + 1)
+
+    def merge_caches(self, parts: Sequence[tuple["KVCache", Sequence[int]]]) -> "KVCache":
+        """A new right-aligned cache holding the given rows of each part, in order (rows joining and leaving a
+        running batch). Copies through host memory once; a running batch pays this only when its rows change."""
+        lengths = np.concatenate([cache.lengths[list(rows)] for cache, rows in parts])
+        width = int(lengths.max())
+        merged = []
+        for name in ("key", "value"):
+            out = None
+            start = 0
+            for cache, rows in parts:
+                source = getattr(cache, name).numpy()
+                if out is None:
+                    layers, _, heads, _, dim = source.shape
+                    out = np.zeros((layers, len(lengths), heads, width, dim), source.dtype)
+                span = int(cache.lengths[list(rows)].max())
+                out[:, start:start + len(rows), :, width - span:] = source[:, list(rows), :, cache.width - span:]
+                start += len(rows)
+            merged.append(ort.OrtValue.ortvalue_from_numpy(out, self._kv_device, 0))
+        return KVCache(merged[0], merged[1], lengths)
 
     def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], past_key: ort.OrtValue | None = None,
              past_value: ort.OrtValue | None = None) -> tuple[np.ndarray, ort.OrtValue, ort.OrtValue]:

@@ -5,9 +5,13 @@ caches and chunk offsets) lives in local variables of the call; the pipeline hol
 the ORT sessions, so any number of request threads may share it.
 
 Randomness: one `numpy.random.Generator` per call, seeded by `request.seed` (fresh entropy when None), drives the
-RAS sampler and, unless the request is deterministic, the NSF source noise. `sampling="greedy"` takes the argmax
-after the eos rule; `deterministic` switches the source noise off. Both together reproduce the official greedy,
-noise-free output.
+RAS sampler and, unless the request is deterministic, the NSF source noise (rendering: after the last token;
+streaming: a second Generator spawned from the same seed, since chunks are voiced while the LLM still samples).
+`sampling="greedy"` takes the argmax after the eos rule; `deterministic` switches the source noise off. Both
+together reproduce the official greedy, noise-free output.
+
+The LLM decodes through one `DecodeScheduler` per pipeline: the rows of every render and stream in flight share
+decode steps, and each request keeps its own sampler state, so its tokens do not depend on the others.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from device.cosyvoice2.features import FlowMelConfig, extract_prompt
 from device.cosyvoice2.flow import Flow, FlowConfig, stretch_mel
 from device.cosyvoice2.frontend import TextFrontend
 from device.cosyvoice2.llm import DecodeConfig, SpeechLM
+from device.cosyvoice2.scheduler import DecodeScheduler
 from device.cosyvoice2.streaming import stream_tokens
 from device.cosyvoice2.vocoder import StreamConfig, Vocoder
 from device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
@@ -33,6 +38,7 @@ from device.sessions import SessionConfig, create_session
 from device.voice_store import check_voice_name
 
 MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
+DECODE_ROWS = 16  # rows one decode step may hold (requests beyond wait for a row to stop)
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
@@ -53,6 +59,7 @@ class CosyVoice2Pipeline:
             self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
                                 bundle.asset("speech_embedding"), bundle.asset("llm_embedding"),
                                 DecodeConfig.from_config(cfg))
+            self._decoder = DecodeScheduler(self._lm, DECODE_ROWS)
             self._flow = Flow(s["flow_encoder"], s["flow_estimator"], np.load(bundle.asset("cfm_noise")),
                               FlowConfig.from_config(cfg))
             self._vocoder = Vocoder(s["hift_source"], s["hift_decoder"], int(cfg["hift_upsample"]))
@@ -105,35 +112,55 @@ class CosyVoice2Pipeline:
         return units
 
     def render(self, units: Sequence[Unit], request: Request) -> list[np.ndarray]:
-        """Units decode as one LLM batch and one flow batch; HiFT runs per unit (its non-causal convolutions
-        would see another row's padding)."""
-        inputs = self._mode_inputs(request)
-        rng = np.random.default_rng(request.seed)
-        lm_inputs = [self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech) for unit in units]
-        token_rows = self._lm.batch_tokens(lm_inputs, [len(unit.ids) for unit in units],
-                                           request.sampling == "greedy", rng, pin=request.pin_tokens)
-        spoken = [row for row, tokens in enumerate(token_rows) if tokens]
-        mels = self._flow.mels(inputs.flow, [np.asarray(token_rows[row], np.int64) for row in spoken]) if spoken else []
-        waves = [np.zeros(0, np.float32) for _ in units]
-        for row, mel in zip(spoken, mels):
-            if request.speed != 1.0:
-                mel = stretch_mel(mel, request.speed)
-            waves[row] = self._vocoder(mel, None if request.deterministic else rng)
-        return waves
+        return self.render_jobs([(units, request)])[0]
+
+    def render_jobs(self, jobs: Sequence[tuple[Sequence[Unit], Request]]) -> list[list[np.ndarray]]:
+        """Several requests at once, one waveform per unit. Every job's units go to the decode scheduler together
+        (one group, one Generator) before any job waits, so all of them share decode steps; then each job's units
+        run as one padded flow batch, and HiFT per unit (its non-causal convolutions would see another row's
+        padding). A job's result is what it gives alone."""
+        pending = []
+        for units, request in jobs:
+            inputs = self._mode_inputs(request)
+            rng = np.random.default_rng(request.seed)
+            lm_inputs = [self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech) for unit in units]
+            group = self._decoder.submit(lm_inputs, [len(unit.ids) for unit in units], request.sampling == "greedy",
+                                         rng, request.pin_tokens) if units else None
+            pending.append((units, request, inputs, rng, group))
+        out = []
+        for units, request, inputs, rng, group in pending:
+            token_rows = group.results() if group is not None else []
+            spoken = [row for row, tokens in enumerate(token_rows) if tokens]
+            mels = self._flow.mels(inputs.flow, [np.asarray(token_rows[row], np.int64) for row in spoken]) \
+                if spoken else []
+            waves = [np.zeros(0, np.float32) for _ in units]
+            for row, mel in zip(spoken, mels):
+                if request.speed != 1.0:
+                    mel = stretch_mel(mel, request.speed)
+                waves[row] = self._vocoder(mel, None if request.deterministic else rng)
+            out.append(waves)
+        return out
 
     def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:
         if request.speed != 1.0:  # the official streaming path has no speed change: render the unit whole
             yield from self.render([unit], request)
             return
         inputs = self._mode_inputs(request)
-        rng = np.random.default_rng(request.seed)
-        yield from self.stream_tokens(self._tokens(unit, inputs, request, rng), request, rng)
+        seeds = np.random.SeedSequence(request.seed)
+        noise = None if request.deterministic else np.random.default_rng(seeds.spawn(1)[0])
+        yield from self.stream_tokens(self._tokens(unit, inputs, request, np.random.default_rng(seeds)), request,
+                                      noise)
+
+    def decode_stats(self) -> dict[str, Any]:
+        """The decode scheduler's counters: steps, rows per step (histogram and mean), prefills, cache rebuilds."""
+        return self._decoder.stats()
 
     def describe(self) -> dict[str, Any]:
         return {"family": "cosyvoice2", "precision": dict(self._precision),
                 "providers": {name: s.get_providers()[0] for name, s in self._sessions.items()},
                 "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(MODES),
-                "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._stream_config)}
+                "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._stream_config),
+                "decode": self._decoder.stats()}
 
     # -- voices -----------------------------------------------------------------------------
     def make_voice(self, name: str, wav: np.ndarray, sample_rate: int, prompt_text: str) -> Voice:
@@ -191,7 +218,7 @@ class CosyVoice2Pipeline:
 
     def _tokens(self, unit: Unit, inputs: ModeInputs, request: Request, rng: np.random.Generator) -> Iterator[int]:
         lm_input = self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech)
-        return self._lm.tokens(lm_input, len(unit.ids), request.sampling == "greedy", rng, pin=request.pin_tokens)
+        return self._decoder.stream(lm_input, len(unit.ids), request.sampling == "greedy", rng, request.pin_tokens)
 
     def _mode_inputs(self, request: Request) -> ModeInputs:
         voice = self._voices.get(request.voice)

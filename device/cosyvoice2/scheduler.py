@@ -1,0 +1,230 @@
+"""Cross-request batched LLM decoding: one worker thread runs a decode step for every active row at once.
+
+Why: a decode step is bound by reading the LLM weights (CPU) or by kernel launches (GPU), not by the number
+of rows, so N requests decoding together cost little more than one. Requests join and leave between steps.
+
+A request thread submits a *group* (the units of one render call, or the one unit of a stream sentence) with
+its own length rules, greedy flag and `numpy.random.Generator`, then reads each row's tokens from that row's
+queue as they are chosen. The worker loop:
+
+  1. take the groups waiting (whole groups only, up to `max_rows` rows in the batch; a larger group is taken
+     alone) and drop rows whose consumer went away;
+  2. prefill the new groups in one left-padded call and choose their first tokens;
+  3. when rows joined or left, rebuild the batch cache once (`SpeechLM.merge_caches`, right-aligned rows);
+  4. one decode step for all rows, then each row chooses its next token with its own sampler state.
+
+Independence from the batch: a group's rows always start together and draw from the group's Generator in row
+order at each step, exactly as `SpeechLM.batch_tokens` does for that group alone; other groups never touch it.
+Only float rounding of the batched graphs differs (padding, batch size), which leaves the argmax and the RAS
+draws unchanged (the tests check tokens and audio against solo runs). A lone single-row group runs exactly the
+calls of `SpeechLM.tokens`.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from device.cosyvoice2.llm import KVCache, SpeechLM
+from device.cosyvoice2.sampling import choose_token
+
+log = logging.getLogger(__name__)
+
+_END = object()  # queue marker: the row stopped
+
+
+@dataclass(eq=False)
+class _Row:
+    """One prompt being decoded: its length rule, generated tokens and the queue its consumer reads."""
+    group: "DecodeGroup"
+    lm_input: np.ndarray
+    min_len: int
+    max_len: int
+    history: list[int] = field(default_factory=list)
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    done: bool = False
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if not self.done:
+            self.done = True
+            self.out.put(_END if error is None else error)
+
+
+class DecodeGroup:
+    """The rows of one submission; `rows[i].tokens()` / `results()` are read by the submitting thread."""
+
+    def __init__(self, lm_inputs: Sequence[np.ndarray], limits: Sequence[tuple[int, int]], greedy: bool,
+                 rng: np.random.Generator, pinned: bool) -> None:
+        self.greedy = greedy
+        self.rng = rng
+        self.pinned = pinned
+        self.cancelled = False
+        self.rows = [_Row(self, x, lo, hi) for x, (lo, hi) in zip(lm_inputs, limits)]
+
+    def tokens(self, index: int) -> Iterator[int]:
+        """Row `index`'s tokens, each as soon as the worker chose it; raises what the worker hit."""
+        out = self.rows[index].out
+        while True:
+            item = out.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def results(self) -> list[list[int]]:
+        """Every row's tokens, once all rows have stopped."""
+        return [list(self.tokens(i)) for i in range(len(self.rows))]
+
+
+class DecodeScheduler:
+    """The shared decode loop of one `SpeechLM`; its worker thread starts on the first submission."""
+
+    def __init__(self, lm: SpeechLM, max_rows: int = 16) -> None:
+        self._lm = lm
+        self.max_rows = max_rows
+        self._cond = threading.Condition()
+        self._waiting: deque[DecodeGroup] = deque()
+        self._thread: threading.Thread | None = None
+        self._rows: list[_Row] = []  # the running batch, in cache row order (worker thread only)
+        self._cache: KVCache | None = None
+        self._steps = 0
+        self._prefills = 0
+        self._tokens = 0
+        self._joined_running = 0
+        self._rebuilds = 0
+        self._rows_per_step: Counter[int] = Counter()
+
+    # -- request threads ---------------------------------------------------------------------
+    def submit(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
+               rng: np.random.Generator, pin: int | None = None) -> DecodeGroup:
+        """Queue prompts [1, L, H] that decode together under one Generator; returns at once. `pin` = exactly
+        that many tokens per row (benchmarks)."""
+        limits = [self._lm.config.min_max_len(n, pin) for n in n_text_tokens]
+        group = DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None)
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cosyedge-decode", daemon=True)
+                self._thread.start()
+            self._waiting.append(group)
+            self._cond.notify()
+        return group
+
+    def stream(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool, rng: np.random.Generator,
+               pin: int | None = None) -> Iterator[int]:
+        """One prompt's tokens as they are chosen; closing the iterator early withdraws the row."""
+        group = self.submit([lm_input], [n_text_tokens], greedy, rng, pin)
+        try:
+            yield from group.tokens(0)
+        finally:
+            self.cancel(group)
+
+    def cancel(self, group: DecodeGroup) -> None:
+        """Stop decoding a group whose consumer went away (no effect once it has finished)."""
+        with self._cond:
+            group.cancelled = True
+            self._cond.notify()
+
+    def stats(self) -> dict[str, object]:
+        """Counters for the bench and the metrics: decode steps, rows per step, prefills, rebuilds."""
+        with self._cond:
+            hist = dict(sorted(self._rows_per_step.items()))
+            steps = self._steps
+            return {"decode_steps": steps, "prefill_calls": self._prefills, "tokens": self._tokens,
+                    "rows_per_step": hist, "mean_rows": (sum(k * v for k, v in hist.items()) / steps) if steps else 0.0,
+                    "joined_running": self._joined_running, "cache_rebuilds": self._rebuilds,
+                    "active_rows": len(self._rows), "waiting_groups": len(self._waiting), "max_rows": self.max_rows}
+
+    # -- worker ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            joining = self._admit()
+            try:
+                self._step(joining)
+            except Exception as exc:  # noqa: BLE001 - fail the rows in flight, keep serving others
+                log.exception("LLM decode step failed")
+                for row in self._rows + [r for g in joining for r in g.rows]:
+                    row.finish(exc)
+                self._rows, self._cache = [], None
+
+    def _admit(self) -> list[DecodeGroup]:
+        """Groups that join now (blocks while nothing runs); cancelled rows of the batch are stopped."""
+        with self._cond:
+            while not self._waiting and not self._rows:
+                self._cond.wait()
+            for row in self._rows:
+                if row.group.cancelled:
+                    row.finish()
+            for group in [g for g in self._waiting if g.cancelled]:
+                self._waiting.remove(group)
+                for row in group.rows:
+                    row.finish()
+            room = self.max_rows - sum(not row.done for row in self._rows)
+            joining: list[DecodeGroup] = []
+            while self._waiting and (len(self._waiting[0].rows) <= room or (not self._rows and not joining)):
+                group = self._waiting.popleft()
+                room -= len(group.rows)
+                joining.append(group)
+            return joining
+
+    def _step(self, joining: list[DecodeGroup]) -> None:
+        new_rows = [row for group in joining for row in group.rows]
+        parts: list[tuple[KVCache, list[int]]] = []
+        if new_rows:
+            logits, cache = self._lm.prefill([row.lm_input for row in new_rows])
+            with self._cond:
+                self._prefills += 1
+                self._joined_running += len(new_rows) if self._rows else 0
+            self._choose(new_rows, logits)
+            keep = [i for i, row in enumerate(new_rows) if not row.done]
+            if keep:
+                parts.append((cache, keep))
+        running = [i for i, row in enumerate(self._rows) if not row.done]
+        if self._cache is not None and running:
+            parts.insert(0, (self._cache, running))
+        rows = [self._rows[i] for i in running] + [r for r in new_rows if not r.done]
+        if not rows:
+            self._rows, self._cache = [], None
+            return
+        if len(parts) == 1 and len(parts[0][1]) == len(parts[0][0].lengths):
+            cache = parts[0][0]  # nobody joined or left: the graph's own output is the next input
+        else:
+            cache = self._lm.merge_caches(parts)
+            with self._cond:
+                self._rebuilds += 1
+        fed = np.array([row.history[-1] for row in rows], np.int64)
+        logits, cache = self._lm.decode(fed, cache)
+        with self._cond:
+            self._rows, self._cache = rows, cache
+            self._steps += 1
+            self._rows_per_step[len(rows)] += 1
+        self._choose(rows, logits)
+
+    def _choose(self, rows: list[_Row], logits: np.ndarray) -> None:
+        """Each row's next token (step index = tokens so far) from its logits row, in batch order: a group's rows
+        are contiguous and in order, so each Generator sees the draws of the group decoded alone."""
+        cfg = self._lm.config
+        chosen = 0
+        for row, scores in zip(rows, logits):
+            if row.group.cancelled or row.max_len <= 0:
+                row.finish()
+                continue
+            if row.group.pinned:
+                scores = cfg.unstoppable(scores)
+            token = choose_token(scores, len(row.history), row.min_len, cfg.eos, row.history, row.group.greedy, cfg.sampling,
+                                 row.group.rng)
+            if token in cfg.stop_ids:
+                row.finish()
+                continue
+            row.history.append(token)
+            row.out.put(token)
+            chosen += 1
+            if len(row.history) >= row.max_len:
+                row.finish()
+        with self._cond:
+            self._tokens += chosen
