@@ -138,7 +138,7 @@ class DecodeScheduler:
             return {"decode_steps": steps, "prefill_calls": self._prefills, "tokens": self._tokens,
                     "rows_per_step": hist, "mean_rows": (sum(k * v for k, v in hist.items()) / steps) if steps else 0.0,
                     "joined_running": self._joined_running, "cache_rebuilds": self._rebuilds,
-                    "active_rows": len(self._rows), "waiting_groups": len(self._waiting), "max_rows": self.max_rows}
+                    "active_rows": sum(not row.done for row in self._rows), "waiting_groups": len(self._waiting), "max_rows": self.max_rows}
 
     # -- worker ------------------------------------------------------------------------------
     def _run(self) -> None:

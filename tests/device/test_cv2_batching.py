@@ -1,0 +1,148 @@
+"""Cross-request batched LLM decoding (device/cosyvoice2/scheduler.py) on the tiny CosyVoice2 bundle.
+
+Acceptance: a request's speech tokens and audio do not depend on the requests it was batched with (same seed =>
+same tokens and same audio). Tolerances: tokens exact; audio exact (np.array_equal): with equal tokens the flow
+and HiFT calls of a request are the ones it makes alone, and its noise comes from its own Generator.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from device.engine import Engine
+from device.pipeline import Request
+from device.sessions import SessionConfig
+
+ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
+
+
+@pytest.fixture(scope="module")
+def engine(cv2_tiny_bundle: Path) -> Engine:
+    return Engine.load(cv2_tiny_bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
+                       warmup=False)
+
+
+def _stats_delta(before: dict, after: dict) -> dict[int, int]:
+    """Decode steps per row count that happened between two `stats()` snapshots."""
+    return {k: n - before["rows_per_step"].get(k, 0) for k, n in after["rows_per_step"].items()
+            if n - before["rows_per_step"].get(k, 0)}
+
+
+def _lm_inputs(engine: Engine, text: str, request: Request) -> tuple[list[np.ndarray], list[int]]:
+    pipeline = engine.pipeline
+    inputs = pipeline._mode_inputs(request)
+    units = engine.units(text)
+    return ([pipeline._lm.lm_input(u.ids, inputs.prompt_text, inputs.prompt_speech) for u in units],
+            [len(u.ids) for u in units])
+
+
+LONG_ZH = ("人工智能正在改变我们的生活方式。从智能手机上的语音助手，到自动驾驶汽车，再到医疗诊断系统，这些技术已经深入到社会的各个角"
+           "落。然而，随着技术的快速发展，人们也开始担心隐私保护、就业替代以及算法偏见等问题。专家们认为，我们需要在推动创新的同")  # two units (golden case zero_shot2)
+JOBS = [("你好，世界！", {"voice": SFT_VOICE, "sampling": "greedy", "deterministic": True}),
+        (LONG_ZH, {"voice": ZH_VOICE, "seed": 5}),
+        ("Good morning, my friend.", {"voice": ZH_VOICE, "mode": "cross_lingual", "seed": 6}),
+        ("Hello there, this is a batched request.", {"voice": EN_VOICE, "sampling": "greedy", "seed": 7})]
+
+
+def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine) -> None:
+    """Four requests (different texts, voices, modes, seeds; greedy and seeded RAS; one of two units) give in one
+    `render_requests` call exactly the tokens and audio each gives alone, and the decode steps were shared."""
+    pipeline, lm = engine.pipeline, engine.pipeline._lm
+    requests = [engine.request(**options) for _, options in JOBS]
+    jobs = [(engine.units(text), req) for (text, _), req in zip(JOBS, requests)]
+    # tokens: the scheduler's rows against the single-prompt / single-group reference decoders
+    alone_tokens = []
+    for (text, _), req in zip(JOBS, requests):
+        lm_inputs, n_text = _lm_inputs(engine, text, req)
+        rng = np.random.default_rng(req.seed)
+        alone_tokens.append([list(lm.tokens(lm_inputs[0], n_text[0], req.sampling == "greedy", rng))]
+                            if len(lm_inputs) == 1 else lm.batch_tokens(lm_inputs, n_text, req.sampling == "greedy", rng))
+    assert len(alone_tokens[1]) == 2 and all(rows and all(rows) for rows in alone_tokens)
+    before = pipeline.decode_stats()
+    groups = [pipeline._decoder.submit(*_lm_inputs(engine, text, req), req.sampling == "greedy",
+                                       np.random.default_rng(req.seed)) for (text, _), req in zip(JOBS, requests)]
+    assert [g.results() for g in groups] == alone_tokens
+    shared = _stats_delta(before, pipeline.decode_stats())
+    assert max(shared) >= 4  # the four requests (five rows) decoded in common steps
+    # audio: each job alone, then all four in one call
+    alone = [engine.render_requests([job])[0] for job in jobs]
+    before = pipeline.decode_stats()
+    together = engine.render_requests(jobs)
+    assert max(_stats_delta(before, pipeline.decode_stats())) > 1
+    for a, b in zip(alone, together):
+        assert a.size and np.array_equal(a, b)
+    assert np.array_equal(together[2], engine.synthesize_array(JOBS[2][0], **JOBS[2][1]))
+
+
+def _stream(engine: Engine, text: str, options: dict) -> list[np.ndarray]:
+    return list(engine.stream(text, **options))
+
+
+def test_concurrent_streams_share_decode_steps(engine: Engine) -> None:
+    """Four threads streaming at once (greedy and seeded, noise on and off) get the chunks each gets alone."""
+    alone = [_stream(engine, text, options) for text, options in JOBS]
+    assert sum(len(chunks) for chunks in alone) > len(JOBS)  # the long text streams in several chunks
+    before = engine.pipeline.decode_stats()
+    start = threading.Barrier(len(JOBS))
+    together: list[list[np.ndarray] | None] = [None] * len(JOBS)
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            start.wait(timeout=30)
+            together[index] = _stream(engine, *JOBS[index])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(JOBS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    for a, b in zip(alone, together):
+        assert b is not None and len(a) == len(b) >= 1
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert max(_stats_delta(before, engine.pipeline.decode_stats())) > 1
+
+
+def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
+    """B is submitted while A is mid-decode: it joins A's steps (the row count changes from 1 to 2 and back) and
+    both get their solo tokens."""
+    pipeline, lm = engine.pipeline, engine.pipeline._lm
+    req_a = engine.request(voice=ZH_VOICE, seed=21)
+    req_b = engine.request(voice=SFT_VOICE, sampling="greedy")
+    (a_input,), (a_text,) = _lm_inputs(engine, "收到好友从远方寄来的生日礼物。", req_a)
+    (b_input,), (b_text,) = _lm_inputs(engine, JOBS[0][0], req_b)
+    solo_a = list(lm.tokens(a_input, a_text, False, np.random.default_rng(21), pin=120))
+    solo_b = list(lm.tokens(b_input, b_text, True, np.random.default_rng(0)))
+    before = pipeline.decode_stats()
+    stream_a = pipeline._decoder.stream(a_input, a_text, False, np.random.default_rng(21), pin=120)
+    got_a = [next(stream_a) for _ in range(5)]  # A is decoding now
+    group_b = pipeline._decoder.submit([b_input], [b_text], True, np.random.default_rng(0))
+    got_a += list(stream_a)
+    assert got_a == solo_a and len(solo_a) == 120
+    assert group_b.results() == [solo_b]
+    after = pipeline.decode_stats()
+    assert after["joined_running"] - before["joined_running"] == 1
+    assert set(_stats_delta(before, after)) == {1, 2}
+    assert after["active_rows"] == 0 and after["waiting_groups"] == 0
+
+
+def test_abandoned_stream_leaves_the_batch(engine: Engine) -> None:
+    """A consumer that stops reading withdraws its row; the scheduler keeps serving the others."""
+    pipeline = engine.pipeline
+    req = engine.request(voice=ZH_VOICE, seed=3)
+    (x,), (n,) = _lm_inputs(engine, JOBS[0][0], req)
+    before = pipeline.decode_stats()
+    stream = pipeline._decoder.stream(x, n, False, np.random.default_rng(3), pin=400)
+    assert len([next(stream) for _ in range(3)]) == 3
+    stream.close()
+    tokens = pipeline.speech_tokens(engine.units(JOBS[0][0])[0], engine.request(voice=SFT_VOICE, sampling="greedy"))
+    info = pipeline.describe()["decode"]
+    assert tokens and info["tokens"] - before["tokens"] < 400 + len(tokens)
+    assert info["active_rows"] == 0 and info["waiting_groups"] == 0
+    assert info["decode_steps"] > 0 and info["mean_rows"] >= 1.0
