@@ -179,12 +179,23 @@ def _bool(value: Any, field: str) -> bool:
     return value
 
 
+def _optional_str(value: Any, field: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, "invalid_parameter", f"{field} must be a string")
+    return value or None
+
+
 def _engine_request(engine: Engine, voice: str | int | None, speed: float, deterministic: bool = False,
-                    seed: Any = None) -> Request:
+                    seed: Any = None, body: dict[str, Any] | None = None) -> Request:
+    """Validated per-request options; `body` may add the CosyVoice fields mode, instruct_text and sampling."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, "invalid_parameter", "seed must be an integer")
+    body = body or {}
+    extra = {"mode": _optional_str(body.get("mode"), "mode"),
+             "instruct_text": _optional_str(body.get("instruct_text"), "instruct_text"),
+             "sampling": _optional_str(body.get("sampling"), "sampling") or "default"}
     try:
-        return engine.request(voice=voice, speed=speed, deterministic=deterministic, seed=seed)
+        return engine.request(voice=voice, speed=speed, deterministic=deterministic, seed=seed, **extra)
     except UnknownVoiceError as exc:
         raise ApiError(400, "unknown_voice", str(exc)) from None
     except InputError as exc:
@@ -204,6 +215,9 @@ def _client_key() -> str:
     if auth:
         return "key:" + hashlib.sha256(auth.encode("utf-8", "replace")).hexdigest()[:16]
     return "addr:" + (request.remote_addr or "?")
+
+
+MAX_VOICE_UPLOAD = 16 << 20  # bytes: 30 s of 48 kHz stereo 16-bit WAV is 11 MB
 
 
 # -- the application -------------------------------------------------------------------------------
@@ -309,7 +323,10 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
             raise ApiError(400, "invalid_parameter", "instructions must be a string")
         text = _text(body.get("input"), "input", config.max_text_len)
         fmt = _format(body.get("response_format"), "mp3")
-        req = _engine_request(engine, service.aliases.get(voice, voice) if voice else None, _speed(body.get("speed")))
+        # OpenAI's `instructions` ("speak cheerfully") is CosyVoice's instruct2 text; Piper voices ignore it.
+        instructions = body.get("instructions") if engine.bundle.manifest.family != "vits" else None
+        req = _engine_request(engine, service.aliases.get(voice, voice) if voice else None, _speed(body.get("speed")),
+                              body={"instruct_text": instructions})
         return synthesize("/v1/audio/speech", text, req, fmt, _bool(body.get("stream"), "stream"))
 
     def native_voice(body: dict[str, Any]) -> str | int | None:
@@ -331,7 +348,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         text = _text(body.get("text"), "text", config.max_text_len)
         fmt = _format(body.get("format"), "wav")
         req = _engine_request(engine, native_voice(body), _speed(body.get("speed")),
-                              _bool(body.get("deterministic"), "deterministic"), body.get("seed"))
+                              _bool(body.get("deterministic"), "deterministic"), body.get("seed"), body)
         return synthesize("/v1/tts", text, req, fmt, _bool(body.get("stream"), "stream"))
 
     @app.post("/v1/tts/batch", endpoint="tts_batch")
@@ -345,7 +362,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
             raise ApiError(413, "too_many_items", f"{len(texts)} texts; the limit is {config.max_batch_items} per request")
         fmt = _format(body.get("format"), "wav")
         req = _engine_request(engine, native_voice(body), _speed(body.get("speed")),
-                              _bool(body.get("deterministic"), "deterministic"), body.get("seed"))
+                              _bool(body.get("deterministic"), "deterministic"), body.get("seed"), body)
         results: list[dict[str, Any]] = [{} for _ in texts]
         jobs: list[tuple[int, list[Unit]]] = []
         for index, text in enumerate(texts):
@@ -378,9 +395,38 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
     @app.get("/v1/audio/voices")
     def voices() -> Response:
         engine, _ = service.require_ready()
-        names = engine.voices()
-        return jsonify({"object": "list", "default": names[0], "aliases": service.aliases,
-                        "voices": [{"id": n, "name": n, "speaker_id": i} for i, n in enumerate(names)]})
+        catalog = engine.voice_catalog()
+        return jsonify({"object": "list", "default": catalog[0]["name"], "aliases": service.aliases,
+                        "voices": [{"id": v["name"], **v} for v in catalog]})
+
+    @app.post("/v1/audio/voices")
+    def add_voice() -> Response:
+        """Register a zero-shot voice: multipart form with `name`, `text` (the transcript) and file `audio`."""
+        engine, _ = service.require_ready()
+        request.max_content_length = MAX_VOICE_UPLOAD  # a 30 s prompt is larger than any JSON body
+        if request.mimetype != "multipart/form-data":
+            raise ApiError(415, "unsupported_media_type", "send multipart/form-data with fields name, text and file audio")
+        upload = request.files.get("audio")
+        if upload is None:
+            raise ApiError(400, "missing_audio", "the form needs a file field 'audio' (1-30 s of the speaker)")
+        name = request.form.get("name", "")
+        try:
+            engine.add_voice(name, upload.read(), request.form.get("text", ""))
+        except InputError as exc:
+            status, code = (409, "voice_exists") if "already exists" in str(exc) else (400, "invalid_voice")
+            raise ApiError(status, code, str(exc)) from None
+        entry = next(v for v in engine.voice_catalog() if v["name"] == name)
+        return jsonify({"id": name, **entry}), 201
+
+    @app.delete("/v1/audio/voices/<name>")
+    def remove_voice(name: str) -> Response:
+        engine, _ = service.require_ready()
+        try:
+            engine.remove_voice(name)
+        except InputError as exc:
+            status = 404 if "not a registered voice" in str(exc) else 400
+            raise ApiError(status, "not_found" if status == 404 else "invalid_voice", str(exc)) from None
+        return jsonify({"id": name, "deleted": True})
 
     @app.get("/v1/models")
     def models() -> Response:

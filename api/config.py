@@ -40,7 +40,7 @@ class ServiceConfig:
     rate_limit_per_s: float = 0.0        # per-client token bucket; 0 = off
     rate_limit_burst: int = 10
     voice_aliases: Mapping[str, str] = field(default_factory=dict)  # OpenAI voice name -> local voice
-    state_dir: str | None = None         # dead-letter records; None: device.default_voice.state_dir()
+    state_dir: str | None = None         # dead letters, registered voices; None: device.default_voice.state_dir()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voice_aliases", MappingProxyType(dict(self.voice_aliases)))

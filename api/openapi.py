@@ -37,7 +37,11 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
             "description": "emoji and unpronounceable symbols are removed, not rejected"}
     voice = {"type": "string", "description": "a local voice name, a numeric speaker id as text, or an alias"}
     native = {"voice": voice, "speaker_id": {"type": "integer", "minimum": 0}, "speed": speed,
-              "deterministic": {"type": "boolean", "default": False}, "seed": {"type": "integer"}}
+              "deterministic": {"type": "boolean", "default": False}, "seed": {"type": "integer"},
+              "mode": {"enum": ["zero_shot", "sft", "cross_lingual", "instruct2"],
+                       "description": "CosyVoice bundles: inference mode (default: the voice's own)"},
+              "instruct_text": {"type": "string", "description": "CosyVoice instruct2: how to speak"},
+              "sampling": {"enum": ["default", "greedy"], "default": "default"}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "cosyedge", "version": "1", "description": "Offline text-to-speech on localhost"},
@@ -75,8 +79,24 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                         "status": {"type": "integer"}, "error": {"$ref": "#/components/schemas/ErrorBody"}}}}}},
                     "per-item results in input order; a failed item has ok=false, status and error"),
                     **_errors(400, 413, 415, 429, 503)}}},
-            "/v1/audio/voices": {"get": {"summary": "Voices of the loaded bundle and the alias table",
-                                         "responses": {"200": _json({"type": "object"}), **_errors(503)}}},
+            "/v1/audio/voices": {
+                "get": {"summary": "Voices of the loaded bundle and registered ones (speaker id, kind), and the aliases",
+                        "responses": {"200": _json({"type": "object"}), **_errors(503)}},
+                "post": {"summary": "Register a zero-shot voice from a 1-30 s recording and its transcript "
+                                    "(CosyVoice bundles); kept across restarts",
+                         "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+                             "type": "object", "required": ["name", "text", "audio"],
+                             "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"},
+                                            "text": {"type": "string"},
+                                            "audio": {"type": "string", "format": "binary"}}}}}},
+                         "responses": {"201": _json({"type": "object"}, "registered"),
+                                       "409": {"description": "a voice of that name exists",
+                                               "content": {"application/json": {"schema": _ERROR}}},
+                                       **_errors(400, 413, 415, 503)}}},
+            "/v1/audio/voices/{name}": {"delete": {
+                "summary": "Delete a registered voice",
+                "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json({"type": "object"}, "deleted"), **_errors(400, 404, 503)}}},
             "/v1/models": {"get": {"summary": "Accepted model names (OpenAI names and the bundle's name)",
                                    "responses": {"200": _json({"type": "object"})}}},
             "/healthz": {"get": {"summary": "Liveness: the process and its engine worker run",

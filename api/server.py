@@ -57,7 +57,7 @@ def serve(config: ServiceConfig) -> int:
     try:
         notify(f"STATUS=loading voice; listening on {config.host}:{port}")
         options = BatchOptions(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
-        engine = Engine.load(config.bundle, precision=config.precision, options=options)
+        engine = Engine.load(config.bundle, precision=config.precision, options=options, state_dir=config.state_dir)
         interval = watchdog_interval()
         announced = threading.Event()  # systemd enforces the watchdog from READY=1 on; pings start then
         warm = service.start(engine, heartbeat=(lambda: announced.is_set() and notify("WATCHDOG=1"))

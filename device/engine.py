@@ -46,16 +46,18 @@ def _load_pipeline(bundle: Bundle, precision: str, sessions: SessionConfig) -> P
 class Engine:
     """One loaded bundle. Thread-safe: requests share only read-only state and ORT sessions."""
 
-    def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, options: BatchOptions) -> None:
+    def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, options: BatchOptions,
+                 state_dir: Path | None = None) -> None:
         self.bundle = bundle
         self.pipeline = pipeline
         self.precision = precision
         self.options = options
+        self.state_dir = state_dir  # registered voices live here (None: device.default_voice.state_dir())
 
     @classmethod
     def load(cls, bundle_path: Path | str | None = None, precision: str = "auto",
              sessions: SessionConfig | None = None, options: BatchOptions | None = None,
-             warmup: bool = True) -> "Engine":
+             warmup: bool = True, state_dir: Path | str | None = None) -> "Engine":
         """Validate the bundle, create the ORT sessions once, and warm them up.
 
         With no `bundle_path`, the embedded default voice is used (built offline on first use).
@@ -67,7 +69,7 @@ class Engine:
         chosen = manifest_only.manifest.default_precision if precision == "auto" else precision
         bundle = Bundle.load(bundle_path, precision=chosen)
         engine = cls(bundle, _load_pipeline(bundle, chosen, sessions or SessionConfig.from_env()), chosen,
-                     options or BatchOptions())
+                     options or BatchOptions(), Path(state_dir) if state_dir else None)
         engine._load_registered_voices()
         if warmup:
             engine.warmup()
@@ -77,7 +79,7 @@ class Engine:
     def _voice_store(self):
         from device.default_voice import state_dir
         from device.voice_store import VoiceStore
-        return VoiceStore.for_bundle(self.bundle, state_dir())
+        return VoiceStore.for_bundle(self.bundle, self.state_dir or state_dir())
 
     def _load_registered_voices(self) -> None:
         load = getattr(self.pipeline, "load_voice", None)
@@ -109,6 +111,13 @@ class Engine:
         self._voice_store().save(name, voice.save)
         self.pipeline.add_voice(voice)
         return name
+
+    def voice_catalog(self) -> list[dict[str, object]]:
+        """Every voice with its speaker id, kind (sft, zero_shot, builtin) and whether it was registered here."""
+        registered = {name for name, _ in self._voice_store().files()}
+        kind = getattr(self.pipeline, "voice_kind", lambda name: "builtin")
+        return [{"name": name, "speaker_id": index, "kind": kind(name), "registered": name in registered}
+                for index, name in enumerate(self.voices())]
 
     def remove_voice(self, name: str) -> None:
         from device.voice_store import check_voice_name
@@ -229,5 +238,6 @@ class Engine:
         options = options or self.options
         request = self.request(voice=voice, speed=speed, **request_options)
         jobs = [(self.pipeline.units(self._validate_text(t, options.max_text_len)), request) for t in texts]
-        engine = self if options == self.options else Engine(self.bundle, self.pipeline, self.precision, options)
+        engine = self if options == self.options else Engine(self.bundle, self.pipeline, self.precision, options,
+                                                             self.state_dir)
         return [to_segment(wave, self.sample_rate) for wave in engine.render_requests(jobs)]

@@ -182,6 +182,9 @@ class CosyVoice2Pipeline:
             raise InputError(f"voice {voice.name!r} is part of the bundle; choose another name")
         self._voices = {**self._voices, voice.name: voice}  # a new dict: readers never see one being resized
 
+    def voice_kind(self, name: str) -> str:
+        return self._voices[name].kind
+
     def load_voice(self, name: str, path: Path) -> None:
         """A voice registered earlier (state directory), in the bundle's voice file format."""
         self.add_voice(Voice.load(name, path))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from api.openapi import spec
@@ -11,7 +12,7 @@ def test_openapi_describes_every_route_and_only_those(server):
     status, _, raw = server.request("GET", "/openapi.json")
     assert status == 200
     described = {(path, method.upper()) for path, item in json.loads(raw)["paths"].items() for method in item}
-    routed = {(rule.rule, method) for rule in server.app.url_map.iter_rules()
+    routed = {(re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method) for rule in server.app.url_map.iter_rules()
               for method in rule.methods - {"HEAD", "OPTIONS"}}
     assert described == routed
     assert json.loads(raw) == json.loads(json.dumps(spec(server.service.config)))
@@ -19,7 +20,7 @@ def test_openapi_describes_every_route_and_only_those(server):
 
 def test_voices_models_health(server):
     voices = json.loads(server.request("GET", "/v1/audio/voices")[2])
-    assert voices["voices"][0] == {"id": "joe", "name": "joe", "speaker_id": 0}
+    assert voices["voices"][0] == {"id": "joe", "name": "joe", "speaker_id": 0, "kind": "builtin", "registered": False}
     assert voices["aliases"]["alloy"] == "joe" and len(voices["aliases"]) >= 11
     models = [m["id"] for m in json.loads(server.request("GET", "/v1/models")[2])["data"]]
     assert {"tts-1", "tts-1-hd", "gpt-4o-mini-tts", "piper-en_US-joe"} <= set(models)

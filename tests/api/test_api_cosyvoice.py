@@ -1,0 +1,120 @@
+"""The API over a real CosyVoice2 bundle (the tiny official-layout release): voices, registration, modes, streaming."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import requests
+
+from apitools import api_config, run_server
+from device.engine import Engine
+from device.sessions import SessionConfig
+
+TRANSCRIPT = "希望你以后能够做的比我还好呦。"
+TEXT = "收到好友从远方寄来的生日礼物。"
+T = 120  # seconds: a bound for every HTTP call, never an expectation
+
+
+def _engine(bundle: Path, state: Path) -> Engine:
+    return Engine.load(bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
+                       warmup=False, state_dir=state)
+
+
+@pytest.fixture()
+def state(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture()
+def cv2_server(cv2_tiny_bundle: Path, state: Path) -> Iterator:
+    with run_server(api_config(state), _engine(cv2_tiny_bundle, state)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def prompt(golden_dir: Path) -> bytes:
+    return (golden_dir / "audio" / "zero_shot_prompt.wav").read_bytes()
+
+
+def _pcm(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, "<i2").astype(np.float32) / 32767
+
+
+def test_voices_list_sft_and_zero_shot_entries(cv2_server):
+    voices = requests.get(cv2_server.url + "/v1/audio/voices", timeout=T).json()["voices"]
+    assert [(v["name"], v["kind"], v["speaker_id"]) for v in voices] == [
+        ("tiny_spk_zh", "zero_shot", 0), ("tiny_spk_en", "zero_shot", 1), ("tiny_sft_spk", "sft", 2)]
+
+
+def test_registered_voice_is_listed_used_and_survives_a_restart(cv2_tiny_bundle, cv2_server, state, prompt):
+    url = cv2_server.url
+    created = requests.post(url + "/v1/audio/voices", data={"name": "guest", "text": TRANSCRIPT},
+                            files={"audio": ("prompt.wav", prompt, "audio/wav")}, timeout=T)
+    assert created.status_code == 201, created.text
+    assert created.json() == {"id": "guest", "name": "guest", "speaker_id": 3, "kind": "zero_shot", "registered": True}
+    body = {"text": TEXT, "voice": "guest", "format": "pcm", "sampling": "greedy", "deterministic": True}
+    first = requests.post(url + "/v1/tts", json=body, timeout=T)
+    assert first.status_code == 200, first.text
+    assert _pcm(first.content).size > 0
+
+    # A restarted service (new engine, same state directory) still has the voice and says the same.
+    with run_server(api_config(state), _engine(cv2_tiny_bundle, state)) as again:
+        listed = {v["name"]: v for v in requests.get(again.url + "/v1/audio/voices", timeout=T).json()["voices"]}
+        assert listed["guest"]["registered"] is True and listed["tiny_sft_spk"]["registered"] is False
+        second = requests.post(again.url + "/v1/tts", json=body, timeout=T)
+        np.testing.assert_array_equal(_pcm(second.content), _pcm(first.content))
+        assert requests.delete(again.url + "/v1/audio/voices/guest", timeout=T).json() == {"id": "guest", "deleted": True}
+        assert requests.delete(again.url + "/v1/audio/voices/guest", timeout=T).status_code == 404
+        assert requests.delete(again.url + "/v1/audio/voices/tiny_spk_zh", timeout=T).status_code == 400
+
+
+@pytest.mark.parametrize("form, upload, status, code", [
+    ({"name": "x", "text": TRANSCRIPT}, None, 400, "missing_audio"),
+    ({"name": "../x", "text": TRANSCRIPT}, "prompt", 400, "invalid_voice"),
+    ({"name": "tiny_spk_zh", "text": TRANSCRIPT}, "prompt", 409, "voice_exists"),
+    ({"name": "nodesc", "text": ""}, "prompt", 400, "invalid_voice"),
+    ({"name": "junk", "text": TRANSCRIPT}, "junk", 400, "invalid_voice"),
+])
+def test_bad_voice_uploads(cv2_server, prompt, form, upload, status, code):
+    uploads = {"prompt": prompt, "junk": b"RIFF not really"}
+    files = {"audio": ("a.wav", uploads[upload], "audio/wav")} if upload else {"other": ("x.txt", b"x", "text/plain")}
+    response = requests.post(cv2_server.url + "/v1/audio/voices", data=form, files=files, timeout=T)
+    assert response.status_code == status and response.json()["error"]["code"] == code
+    assert "/tmp" not in response.text and "Traceback" not in response.text
+
+
+def test_voice_upload_needs_multipart(cv2_server):
+    response = requests.post(cv2_server.url + "/v1/audio/voices", json={"name": "x"}, timeout=T)
+    assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_modes_and_streaming(cv2_tiny_bundle, cv2_server, state):
+    url = cv2_server.url
+    for extra in ({"voice": "tiny_spk_zh", "mode": "cross_lingual"},
+                  {"voice": "tiny_spk_zh", "instruct_text": "用四川话说这句话"}, {"voice": "tiny_sft_spk"}):
+        ok = requests.post(url + "/v1/tts", json={"text": TEXT, "format": "wav", "sampling": "greedy", **extra}, timeout=T)
+        assert ok.status_code == 200, (extra, ok.text)
+    refused = requests.post(url + "/v1/tts", json={"text": TEXT, "voice": "tiny_sft_spk", "mode": "zero_shot"}, timeout=T)
+    assert refused.status_code == 400 and "sft voice" in refused.json()["error"]["message"]
+
+    body = {"text": TEXT, "voice": "tiny_spk_zh", "format": "pcm", "sampling": "greedy", "deterministic": True,
+            "stream": True}
+    with requests.post(url + "/v1/tts", json=body, timeout=T, stream=True) as response:
+        assert response.status_code == 200 and response.headers["x-sample-rate"] == "24000"
+        streamed = _pcm(b"".join(response.iter_content(chunk_size=None)))
+    engine = _engine(cv2_tiny_bundle, state)
+    direct = np.concatenate(list(engine.stream(TEXT, voice="tiny_spk_zh", sampling="greedy", deterministic=True)))
+    assert streamed.size == direct.size
+    np.testing.assert_allclose(streamed, direct, atol=2 / 32767)
+
+
+def test_openai_instructions_map_to_instruct2(cv2_server):
+    response = requests.post(cv2_server.url + "/v1/audio/speech", timeout=T, json={
+        "model": "tts-1", "input": TEXT, "voice": "tiny_spk_zh", "response_format": "wav",
+        "instructions": "用四川话说这句话"})
+    assert response.status_code == 200, response.text
+    refused = requests.post(cv2_server.url + "/v1/audio/speech", timeout=T, json={
+        "model": "tts-1", "input": TEXT, "voice": "tiny_sft_spk", "instructions": "快一点"})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_parameter"
