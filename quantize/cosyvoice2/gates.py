@@ -37,6 +37,7 @@ LLM_SEQUENCES = ((8, 24), (20, 24))        # (random text tokens, sampled speech
 FLOW_TOKENS = 50                 # speech tokens of the scored flow / HiFT / e2e utterance
 CALIBRATION = ((40, 0), (60, 1))           # (speech tokens, streaming flag) per calibration utterance
 TOP_K = 25
+LLM_CALIBRATION_STRIDE = 3       # every 3rd decode step: min/max calibration keeps every intermediate output in memory
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -200,6 +201,7 @@ class Gates:
             tokens: list[int] = []
             self.llm_logits(self.fp32, self._lm_input(rng, n_text), tokens, steps, sample=(rng, tokens),
                             record=lambda name, feeds: recorded[name].append(dict(feeds)))
+        recorded["llm_decode"] = recorded["llm_decode"][::LLM_CALIBRATION_STRIDE]
         return recorded
 
     # ------------------------------------------------------------------------------------------------ flow

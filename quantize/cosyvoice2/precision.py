@@ -72,9 +72,10 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def _save(model: onnx.ModelProto, dst: Path) -> Path:
+    """One self-contained file (a bundle hashes graph files, not external-data side files; every derived graph is
+    smaller than its fp32 export, which already fits)."""
     dst = Path(dst)
-    large = model.ByteSize() > 1_800_000_000 if hasattr(model, "ByteSize") else False
-    onnx.save(model, str(dst), save_as_external_data=large, location=f"{dst.name}.data" if large else None)
+    onnx.save(model, str(dst))
     return dst
 
 
