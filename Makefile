@@ -5,7 +5,7 @@ PIP     = $(VENV)/bin/pip install -q -c constraints.txt
 BIN     = $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test quantize bench serve system-deps runtime buildhost install-service clean
+.PHONY: demo test quantize bench bench-api serve system-deps runtime buildhost install-service clean
 
 system-deps:  ## Debian packages: ffmpeg (pydub's encoder), systemd-analyze (unit checks)
 	@command -v ffmpeg >/dev/null && command -v systemd-analyze >/dev/null || \
@@ -40,8 +40,14 @@ endif
 bench: runtime  ## RTF of the default voice: fp32, int8 and piper-tts side by side
 	$(BIN)/cosyedge bench
 
+bench-api: runtime  ## the HTTP API: single-client latency and 16-client throughput
+	$(BIN)/cosyedge bench-api --json bench-api.json
+
 serve: runtime  ## the HTTP API on 127.0.0.1:8100
 	$(BIN)/cosyedge serve
+
+install-service:  ## venv in /opt/cosyedge, units, /etc/cosyedge/cosyedge.env (see systemd/README.md)
+	$(SUDO) systemd/install.sh
 
 clean:
 	rm -rf $(VENV) demo.wav bundles *.egg-info
