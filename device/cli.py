@@ -133,9 +133,53 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_family(bundle: str | None) -> str:
+    if bundle is None:
+        return "vits"
+    from device.bundle import Bundle
+    return Bundle.load(bundle, verify=False).manifest.family
+
+
+def _bench_list(value: str, option: str, parse) -> list:
+    try:
+        return [parse(item.strip()) for item in value.split(",") if item.strip()]
+    except (KeyError, ValueError):
+        raise InputError(f"{option}: cannot read {value!r}") from None
+
+
+def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
+    from device.bench_cosyvoice import TEXTS, format_table, run_cosyvoice_bench, write_chart
+    concurrency = _bench_list(args.concurrency or "1,4,8", "--concurrency", int)
+    streams = _bench_list(args.stream or "on,off", "--stream", {"on": True, "off": False}.__getitem__)
+    if not concurrency or not streams:
+        raise InputError("--concurrency and --stream need at least one value")
+    count = len(TEXTS) if args.texts is None else args.texts
+    if not 1 <= count <= len(TEXTS):
+        raise InputError(f"--texts must be 1-{len(TEXTS)}")
+    chart = _writable(Path(args.chart)) if args.chart else None
+    out = _writable(Path(args.json)) if args.json else None
+    report = run_cosyvoice_bench(Path(args.bundle), args.precisions.split(","), concurrency=concurrency,
+                                 streams=list(dict.fromkeys(streams)), tokens=args.tokens,
+                                 reference=Path(args.reference) if args.reference else None, threads=args.threads,
+                                 texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling)
+    print(format_table(report))
+    if out:
+        out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if chart:
+        write_chart(report, chart)
+        print(f"chart: {chart.name} (bars in table order; no text: no font available)", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from device.bench import format_table, run_bench
-    report = run_bench(args.bundle, args.precisions.split(","), rounds=args.rounds, threads=args.threads,
+    if _bench_family(args.bundle) == "cosyvoice2":
+        return cmd_bench_cosyvoice(args)
+    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts")
+             if getattr(args, name) is not None]
+    if given:
+        raise InputError(f"--{given[0]} applies to CosyVoice bundles only")
+    report = run_bench(args.bundle, args.precisions.split(","), rounds=args.rounds or 3, threads=args.threads,
                        peer=not args.no_peer)
     print(format_table(report))
     if args.json:
@@ -228,11 +272,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure real-time factor, precisions side by side")
     p.add_argument("--bundle")
-    p.add_argument("--precisions", default="fp32,int8")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--precisions", default="fp32,int8", help="those the bundle has are measured")
+    p.add_argument("--rounds", type=int, help="passes over the text set (default: 3 Piper, 1 CosyVoice)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peer", action="store_true", help="skip the piper-tts reference runner")
     p.add_argument("--json", help="write the report to this file")
+    cv = p.add_argument_group("CosyVoice bundles")
+    cv.add_argument("--concurrency", help="concurrent requests, comma list (default 1,4,8)")
+    cv.add_argument("--stream", help="on, off or on,off (default both)")
+    cv.add_argument("--tokens", type=int, help="pin every unit to N speech tokens (random-weight bundles never stop)")
+    cv.add_argument("--reference", metavar="MODEL_DIR",
+                    help="also run the PyTorch reference of this release (fp32, concurrency 1), interleaved")
+    cv.add_argument("--chart", help="write a PNG bar chart (RTF, first-chunk p50, throughput per run)")
+    cv.add_argument("--texts", type=int, help="use the first N texts of the fixed set (zh and en alternate)")
+    cv.add_argument("--sampling", choices=["greedy", "default"], default="greedy",
+                    help="greedy (no NSF noise) or the release's sampler")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("bench-graphs", help="per-graph ONNX Runtime latency of a CosyVoice bundle (pinned lengths)")

@@ -1,0 +1,104 @@
+"""`cosyedge bench --bundle <cosyvoice2>`: report schema, pinned lengths, the reference baseline, the PNG chart.
+
+No timed assertions: only shapes of the report and quantities that do not depend on speed (audio length is fixed by
+--tokens, so it is checked exactly).
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from device.cli import main
+
+RUN_KEYS = {"backend", "bundle", "precision", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
+            "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "throughput_audio_s_per_s"}
+STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift"}
+GRAPHS = {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
+TOKENS = 30  # > first hop + look-ahead (28): every streaming request yields a chunk before its final one
+TEXTS = 2    # one Chinese, one English
+SECONDS_PER_TOKEN = 2 * 480 / 24000  # token_mel_ratio * hift samples per frame / sample rate
+
+
+@pytest.fixture(scope="module")
+def bench(cv2_tiny_bundle: Path, golden_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--bundle", str(cv2_tiny_bundle), "--concurrency", "1,2", "--stream", "on,off",
+                 "--tokens", str(TOKENS), "--texts", str(TEXTS), "--threads", "1",
+                 "--reference", str(golden_dir / "cosyvoice2-tiny"), "--json", str(out / "bench.json"),
+                 "--chart", str(out / "bench.png")])
+    assert code == 0
+    return json.loads((out / "bench.json").read_text(encoding="utf-8")), out / "bench.png"
+
+
+def test_report_schema_for_device_runs(bench):
+    report, _ = bench
+    assert set(report) == {"machine", "runs"}
+    assert report["machine"]["tokens"] == TOKENS and report["machine"]["threads"] == 1
+    device = [r for r in report["runs"] if r["backend"] == "device"]
+    assert {(r["concurrency"], r["stream"]) for r in device} == {(1, True), (1, False), (2, True), (2, False)}
+    for run in report["runs"]:
+        assert set(run) == RUN_KEYS
+        assert set(run["stage_s"]) == STAGES and all(v >= 0 for v in run["stage_s"].values())
+        assert set(run["precision"]) == GRAPHS and set(run["precision"].values()) == {"fp32"}
+        assert run["rtf"] > 0 and run["wall_s"] > 0 and run["throughput_audio_s_per_s"] > 0
+        assert run["llm_ms_per_token"] > 0 and run["peak_rss_mb"] > 0
+        assert run["stage_s"]["llm_decode"] > 0 and run["stage_s"]["flow"] > 0 and run["stage_s"]["hift"] > 0
+
+
+def test_pinned_tokens_fix_the_audio_length(bench):
+    report, _ = bench
+    for run in report["runs"]:
+        requests = max(TEXTS, run["concurrency"])  # 2 texts fill one batch of 2, or two batches of 1
+        assert run["audio_s"] == pytest.approx(requests * TOKENS * SECONDS_PER_TOKEN, abs=1e-3)
+
+
+def test_first_chunk_latency_only_for_streaming_runs(bench):
+    report, _ = bench
+    for run in report["runs"]:
+        if run["stream"]:
+            assert 0 < run["first_chunk_s_p50"] <= run["first_chunk_s_p95"]
+        else:
+            assert run["first_chunk_s_p50"] is None and run["first_chunk_s_p95"] is None
+
+
+def test_reference_runs_beside_the_device_at_concurrency_one(bench, cv2_tiny_bundle):
+    report, _ = bench
+    reference = [r for r in report["runs"] if r["backend"] == "reference"]
+    assert {(r["concurrency"], r["stream"]) for r in reference} == {(1, True), (1, False)}
+    assert {r["bundle"] for r in reference} == {"cosyvoice2-tiny"}
+    assert {r["bundle"] for r in report["runs"] if r["backend"] == "device"} == {cv2_tiny_bundle.name}
+
+
+def test_chart_is_a_valid_png(bench):
+    _, chart = bench
+    data = chart.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        assert struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0] == zlib.crc32(kind + body)
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2) and width > 0 and height > 0
+    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + 3 * width)
+    assert b"IEND" in chunks
+
+
+def test_missing_precisions_are_skipped_and_no_reference_without_the_option(cv2_tiny_bundle, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--bundle", str(cv2_tiny_bundle), "--precisions", "int8,fp32", "--concurrency", "1",
+                 "--stream", "off", "--tokens", "3", "--texts", "1", "--threads", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text(encoding="utf-8"))["runs"]
+    assert [(r["backend"], r["concurrency"], r["stream"]) for r in runs] == [("device", 1, False)]
+    assert "rtf" in capsys.readouterr().out
+
+
+def test_cosyvoice_options_are_refused_for_piper_bundles(capsys):
+    assert main(["bench", "--tokens", "5"]) == 2
+    assert "CosyVoice bundles only" in capsys.readouterr().err
