@@ -84,6 +84,10 @@ class SpeechLM:
         self._kv_device = _device(decode)
 
     @property
+    def provider(self) -> str:
+        return self._decode.get_providers()[0]
+
+    @property
     def hidden_size(self) -> int:
         return int(self._llm_embedding.shape[1])
 

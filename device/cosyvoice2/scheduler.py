@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -99,6 +100,7 @@ class DecodeScheduler:
         self._joined_running = 0
         self._rebuilds = 0
         self._rows_per_step: Counter[int] = Counter()
+        self._seconds = {"prefill": 0.0, "decode": 0.0, "rebuild": 0.0}
 
     # -- request threads ---------------------------------------------------------------------
     def submit(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
@@ -131,13 +133,15 @@ class DecodeScheduler:
             self._cond.notify()
 
     def stats(self) -> dict[str, object]:
-        """Counters for the bench and the metrics: decode steps, rows per step, prefills, rebuilds."""
+        """Counters for the bench and the metrics: decode steps, rows per step, prefills, rebuilds, and the
+        seconds spent in each kind of call (decode includes sampling)."""
         with self._cond:
             hist = dict(sorted(self._rows_per_step.items()))
             steps = self._steps
             return {"decode_steps": steps, "prefill_calls": self._prefills, "tokens": self._tokens,
                     "rows_per_step": hist, "mean_rows": (sum(k * v for k, v in hist.items()) / steps) if steps else 0.0,
                     "joined_running": self._joined_running, "cache_rebuilds": self._rebuilds,
+                    "seconds": {k: round(v, 6) for k, v in self._seconds.items()},
                     "active_rows": sum(not row.done for row in self._rows), "waiting_groups": len(self._waiting), "max_rows": self.max_rows}
 
     # -- worker ------------------------------------------------------------------------------
@@ -176,11 +180,13 @@ class DecodeScheduler:
         new_rows = [row for group in joining for row in group.rows]
         parts: list[tuple[KVCache, list[int]]] = []
         if new_rows:
+            began = time.perf_counter()
             logits, cache = self._lm.prefill([row.lm_input for row in new_rows])
+            self._choose(new_rows, logits)
             with self._cond:
                 self._prefills += 1
                 self._joined_running += len(new_rows) if self._rows else 0
-            self._choose(new_rows, logits)
+                self._seconds["prefill"] += time.perf_counter() - began
             keep = [i for i, row in enumerate(new_rows) if not row.done]
             if keep:
                 parts.append((cache, keep))
@@ -194,16 +200,20 @@ class DecodeScheduler:
         if len(parts) == 1 and len(parts[0][1]) == len(parts[0][0].lengths):
             cache = parts[0][0]  # nobody joined or left: the graph's own output is the next input
         else:
+            began = time.perf_counter()
             cache = self._lm.merge_caches(parts)
             with self._cond:
                 self._rebuilds += 1
+                self._seconds["rebuild"] += time.perf_counter() - began
+        began = time.perf_counter()
         fed = np.array([row.history[-1] for row in rows], np.int64)
         logits, cache = self._lm.decode(fed, cache)
+        self._choose(rows, logits)
         with self._cond:
             self._rows, self._cache = rows, cache
             self._steps += 1
             self._rows_per_step[len(rows)] += 1
-        self._choose(rows, logits)
+            self._seconds["decode"] += time.perf_counter() - began
 
     def _choose(self, rows: list[_Row], logits: np.ndarray) -> None:
         """Each row's next token (step index = tokens so far) from its logits row, in batch order: a group's rows
