@@ -422,13 +422,13 @@ def format_table(report: dict[str, Any]) -> str:
     def num(value: Any, digits: int = 3) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    header = ("backend", "precision", "conc", "stream", "audio_s", "wall_s", "rtf", "fc_p50", "fc_p95", "ms/tok",
+    header = ("#", "backend", "precision", "conc", "stream", "audio_s", "wall_s", "rtf", "fc_p50", "fc_p95", "ms/tok",
               "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "rss_mb", "audio_s/s")
     rows = []
-    for run in report["runs"]:
+    for index, run in enumerate(report["runs"], 1):
         precision = "+".join(dict.fromkeys(run["precision"].values()))
         s = run["stage_s"]
-        rows.append((run["backend"], precision, str(run["concurrency"]), "on" if run["stream"] else "off",
+        rows.append((str(index), run["backend"], precision, str(run["concurrency"]), "on" if run["stream"] else "off",
                      num(run["audio_s"], 2), num(run["wall_s"], 2), num(run["rtf"]), num(run["first_chunk_s_p50"]),
                      num(run["first_chunk_s_p95"]), num(run["llm_ms_per_token"], 1), num(s["frontend"]),
                      num(s["llm_prefill"]), num(s["llm_decode"]), num(s["flow"]), num(s["hift"]),
@@ -461,36 +461,85 @@ def _png(pixels: np.ndarray) -> bytes:
 
 COLORS = {("device", "fp32"): (52, 101, 164), ("device", "int8"): (78, 154, 6), ("device", "fp16"): (117, 80, 123),
           ("reference", "fp32"): (206, 92, 0)}
+OTHER_COLOR = (90, 90, 90)
+# A 3x5 pixel font (rows top to bottom, "#" = ink) for the chart's titles, numbers and legend: no font library needed.
+FONT = {
+    "A": ".#./#.#/###/#.#/#.#", "B": "##./#.#/##./#.#/##.", "C": ".##/#../#../#../.##", "D": "##./#.#/#.#/#.#/##.",
+    "E": "###/#../##./#../###", "F": "###/#../##./#../#..", "G": ".##/#../#.#/#.#/.##", "H": "#.#/#.#/###/#.#/#.#",
+    "I": "###/.#./.#./.#./###", "J": "..#/..#/..#/#.#/.#.", "K": "#.#/#.#/##./#.#/#.#", "L": "#../#../#../#../###",
+    "M": "#.#/###/###/#.#/#.#", "N": "##./#.#/#.#/#.#/#.#", "O": ".#./#.#/#.#/#.#/.#.", "P": "##./#.#/##./#../#..",
+    "Q": ".#./#.#/#.#/##./.##", "R": "##./#.#/##./#.#/#.#", "S": ".##/#../.#./..#/##.", "T": "###/.#./.#./.#./.#.",
+    "U": "#.#/#.#/#.#/#.#/###", "V": "#.#/#.#/#.#/#.#/.#.", "W": "#.#/#.#/###/###/#.#", "X": "#.#/#.#/.#./#.#/#.#",
+    "Y": "#.#/#.#/.#./.#./.#.", "Z": "###/..#/.#./#../###", "0": "###/#.#/#.#/#.#/###", "1": ".#./##./.#./.#./###",
+    "2": "##./..#/.#./#../###", "3": "##./..#/.#./..#/##.", "4": "#.#/#.#/###/..#/..#", "5": "###/#../##./..#/##.",
+    "6": ".##/#../###/#.#/###", "7": "###/..#/.#./.#./.#.", "8": "###/#.#/###/#.#/###", "9": "###/#.#/###/..#/##.",
+    ".": ".../.../.../.../.#.", "-": ".../.../###/.../...", "/": "..#/..#/.#./#../#..", ":": ".../.#./.../.#./...",
+    "=": ".../###/.../###/...", " ": ".../.../.../.../...", "(": ".#./#../#../#../.#.", ")": ".#./..#/..#/..#/.#.",
+}
+SCALE = 2  # screen pixels per font pixel
+
+
+def _text(image: np.ndarray, x: int, y: int, text: str, color: tuple[int, int, int] = (0, 0, 0)) -> int:
+    """Draw `text` (upper-cased; unknown characters as blanks) with its top-left corner at (x, y); returns the end x."""
+    for char in text.upper():
+        for row, bits in enumerate(FONT.get(char, FONT[" "]).split("/")):
+            for col, bit in enumerate(bits):
+                if bit == "#":
+                    y0, x0 = y + row * SCALE, x + col * SCALE
+                    image[y0:y0 + SCALE, x0:x0 + SCALE] = color
+        x += 4 * SCALE
+    return x
+
+
+def _text_width(text: str) -> int:
+    return 4 * SCALE * len(text)
+
+
+def _bar_color(run: dict[str, Any]) -> tuple[int, int, int]:
+    lowest = [p for p in ("int8", "fp16", "fp32") if p in run["precision"].values()]
+    return COLORS.get((run["backend"], lowest[0] if lowest else ""), OTHER_COLOR)
 
 
 def write_chart(report: dict[str, Any], path: Path) -> Path:
-    """A bar chart without text (no font is available to numpy): three panels, left to right RTF, first-chunk
-    p50 and throughput, one bar per run in table order; colour = backend and precision (device fp32 blue, int8
-    green, fp16 purple, reference orange), streaming runs drawn full height of colour, non-streaming runs with a
-    lighter top half. A grey tick on the RTF panel marks 1.0 (real time)."""
+    """A PNG bar chart drawn with numpy (matplotlib is not a dependency): three panels, RTF, first-chunk p50 (s)
+    and throughput (audio s per s), one bar per run numbered in table order. Colour = backend and lowest
+    precision (legend below); non-streaming runs have a lighter top half; the RTF panel marks 1.0 (real time)."""
     runs = report["runs"]
-    metrics = ("rtf", "first_chunk_s_p50", "throughput_audio_s_per_s")
-    bar, gap, margin, height = 18, 6, 20, 240
-    panel = max(len(runs), 1) * (bar + gap) + gap
-    image = np.full((height + 2 * margin, len(metrics) * (panel + margin) + margin, 3), 255, np.uint8)
-    for m, metric in enumerate(metrics):
+    metrics = (("rtf", "RTF"), ("first_chunk_s_p50", "FIRST CHUNK P50 S"), ("throughput_audio_s_per_s", "AUDIO S/S"))
+    bar, gap, margin, height, line = 22, 8, 24, 240, 7 * SCALE
+    panel = max(len(runs) * (bar + gap) + gap, max(_text_width(t) for _, t in metrics) + gap)
+    legend = sorted({(r["backend"], _bar_color(r)) for r in runs}, key=lambda item: item[0] == "reference")
+    note = "light top half = stream off   bars numbered as table rows"
+    width = max(len(metrics) * (panel + margin) + margin, _text_width(note) + 2 * margin)
+    image = np.full((height + 2 * margin + 5 * line + len(legend) * line + line, width, 3), 255, np.uint8)
+    top = margin + 3 * line
+    bottom = top + height
+    for m, (metric, title) in enumerate(metrics):
         left = margin + m * (panel + margin)
-        top, bottom = margin, margin + height
+        _text(image, left, margin, title)
         image[top:bottom + 1, left] = image[bottom, left:left + panel] = (0, 0, 0)
         values = [run[metric] or 0.0 for run in runs]
         scale = max(max(values, default=0.0), 1.0 if metric == "rtf" else 1e-9)
+        _text(image, left, margin + 3 * line // 2, f"max {scale:.3g}")
+        image[top, left - 4:left] = (0, 0, 0)
         if metric == "rtf":
-            y = bottom - int(height * 1.0 / scale)
-            image[y, left - 4:left] = (128, 128, 128)
+            y = bottom - int(height / scale)
+            image[y, left + 1:left + panel] = (200, 200, 200)
         for i, (run, value) in enumerate(zip(runs, values)):
             x = left + gap + i * (bar + gap)
-            kind = "+".join(dict.fromkeys(run["precision"].values()))
-            color = np.array(COLORS.get((run["backend"], kind.split("+")[-1]), (90, 90, 90)), np.uint8)
+            color = np.array(_bar_color(run), np.uint8)
             size = int(round(height * value / scale))
             image[bottom - size:bottom, x:x + bar] = color
             if not run["stream"]:
-                half = bottom - size + size // 2
-                image[bottom - size:half, x:x + bar] = (color.astype(np.int32) + 255) // 2
+                image[bottom - size:bottom - size + size // 2, x:x + bar] = (color.astype(np.int32) + 255) // 2
+            _text(image, x + (bar - _text_width(str(i + 1))) // 2 + SCALE, bottom + 4, str(i + 1))
+    y = bottom + 4 + 2 * line
+    for backend, color in legend:
+        image[y:y + 5 * SCALE, margin:margin + 5 * SCALE] = color
+        names = {v: k for k, v in COLORS.items() if k[0] == backend}
+        _text(image, margin + 8 * SCALE, y, f"{backend} {names.get(color, ('', 'mixed'))[1]}")
+        y += line
+    _text(image, margin, y, note)
     path = Path(path)
     path.write_bytes(_png(image))
     return path

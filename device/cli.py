@@ -167,7 +167,7 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     if chart:
         write_chart(report, chart)
-        print(f"chart: {chart.name} (bars in table order; no text: no font available)", file=sys.stderr)
+        print(f"chart: {chart.name} (bars numbered in table order)", file=sys.stderr)
     return 0
 
 
