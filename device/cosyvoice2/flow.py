@@ -65,9 +65,11 @@ class Flow:
         mu, spks, cond = self._condition(prompt, tokens, finalize, streaming)
         return self.solve(mu, spks, cond, streaming)[:, :, prompt.mel.shape[0]:]
 
-    def mels(self, prompt: FlowPrompt, token_rows: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Non-streaming mels of several token sequences: one encoder call each, one padded Euler batch."""
-        conditions = [self._condition(prompt, tokens, finalize=True, streaming=False) for tokens in token_rows]
+    def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Non-streaming mels of several token sequences, each with its own prompt (voice): one encoder call each,
+        one padded Euler batch."""
+        conditions = [self._condition(prompt, tokens, finalize=True, streaming=False)
+                      for prompt, tokens in zip(prompts, token_rows)]
         frames = [mu.shape[2] for mu, _, _ in conditions]
         width = max(frames)
 
@@ -77,7 +79,7 @@ class Flow:
 
         mask = (np.arange(width)[None, None, :] < np.array(frames)[:, None, None]).astype(np.float32)
         x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), False, mask)
-        return [x[row:row + 1, :, prompt.mel.shape[0]:size] for row, size in enumerate(frames)]
+        return [x[row:row + 1, :, prompt.mel.shape[0]:size] for row, (prompt, size) in enumerate(zip(prompts, frames))]
 
     def _condition(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -25,7 +25,7 @@ import numpy as np
 from device import text as textmod
 from device.bundle import Bundle
 from device.cosyvoice2.features import FlowMelConfig, extract_prompt
-from device.cosyvoice2.flow import Flow, FlowConfig, stretch_mel
+from device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretch_mel
 from device.cosyvoice2.frontend import TextFrontend
 from device.cosyvoice2.llm import DecodeConfig, SpeechLM
 from device.cosyvoice2.scheduler import DecodeScheduler
@@ -39,6 +39,7 @@ from device.voice_store import check_voice_name
 
 MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
 DECODE_ROWS = 16  # rows one decode step may hold (requests beyond wait for a row to stop)
+FLOW_ROWS = 8  # rows of one padded flow batch
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
@@ -116,9 +117,10 @@ class CosyVoice2Pipeline:
 
     def render_jobs(self, jobs: Sequence[tuple[Sequence[Unit], Request]]) -> list[list[np.ndarray]]:
         """Several requests at once, one waveform per unit. Every job's units go to the decode scheduler together
-        (one group, one Generator) before any job waits, so all of them share decode steps; then each job's units
-        run as one padded flow batch, and HiFT per unit (its non-causal convolutions would see another row's
-        padding). A job's result is what it gives alone."""
+        (one group, one Generator) before any job waits, so all of them share decode steps; then the units of all
+        jobs run through the flow in padded batches of similar lengths (each row with its own voice prompt), and
+        through HiFT one by one (its non-causal convolutions would see another row's padding). A job's result is
+        what it gives alone."""
         pending = []
         for units, request in jobs:
             inputs = self._mode_inputs(request)
@@ -126,20 +128,43 @@ class CosyVoice2Pipeline:
             lm_inputs = [self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech) for unit in units]
             group = self._decoder.submit(lm_inputs, [len(unit.ids) for unit in units], request.sampling == "greedy",
                                          rng, request.pin_tokens) if units else None
-            pending.append((units, request, inputs, rng, group))
+            pending.append((inputs, rng, group))
+        spoken = []  # (job, unit, prompt, tokens) of every unit that has speech tokens
+        for job, (inputs, _, group) in enumerate(pending):
+            for unit, tokens in enumerate(group.results() if group is not None else []):
+                if tokens:
+                    spoken.append((job, unit, inputs.flow, np.asarray(tokens, np.int64)))
+        mels = {}
+        for batch in self._flow_batches(spoken):
+            for (job, unit, _, _), mel in zip(batch, self._flow.mels([s[2] for s in batch], [s[3] for s in batch])):
+                mels[job, unit] = mel
         out = []
-        for units, request, inputs, rng, group in pending:
-            token_rows = group.results() if group is not None else []
-            spoken = [row for row, tokens in enumerate(token_rows) if tokens]
-            mels = self._flow.mels(inputs.flow, [np.asarray(token_rows[row], np.int64) for row in spoken]) \
-                if spoken else []
+        for job, ((units, request), (_, rng, _)) in enumerate(zip(jobs, pending)):
             waves = [np.zeros(0, np.float32) for _ in units]
-            for row, mel in zip(spoken, mels):
+            for unit in range(len(units)):
+                mel = mels.get((job, unit))
+                if mel is None:
+                    continue
                 if request.speed != 1.0:
                     mel = stretch_mel(mel, request.speed)
-                waves[row] = self._vocoder(mel, None if request.deterministic else rng)
+                waves[unit] = self._vocoder(mel, None if request.deterministic else rng)
             out.append(waves)
         return out
+
+    @staticmethod
+    def _flow_batches(rows: list[tuple[int, int, FlowPrompt, np.ndarray]]) -> list[list]:
+        """Flow rows grouped by frame count (prompt + generated tokens): at most FLOW_ROWS per batch, and a new
+        batch where padding would exceed a third of the longest row, so that batching saves calls, not adds work."""
+        ordered = sorted(rows, key=lambda r: len(r[2].tokens) + len(r[3]))
+        batches: list[list] = []
+        for row in ordered:
+            size = len(row[2].tokens) + len(row[3])
+            if batches and len(batches[-1]) < FLOW_ROWS and \
+                    3 * (len(batches[-1][0][2].tokens) + len(batches[-1][0][3])) >= 2 * size:
+                batches[-1].append(row)
+            else:
+                batches.append([row])
+        return batches
 
     def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:
         if request.speed != 1.0:  # the official streaming path has no speed change: render the unit whole

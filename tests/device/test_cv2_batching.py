@@ -47,9 +47,10 @@ JOBS = [("你好，世界！", {"voice": SFT_VOICE, "sampling": "greedy", "deter
         ("Hello there, this is a batched request.", {"voice": EN_VOICE, "sampling": "greedy", "seed": 7})]
 
 
-def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine) -> None:
+def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four requests (different texts, voices, modes, seeds; greedy and seeded RAS; one of two units) give in one
-    `render_requests` call exactly the tokens and audio each gives alone, and the decode steps were shared."""
+    `render_requests` call exactly the tokens and audio each gives alone; the decode steps were shared and units
+    of different requests (their own voice prompts) went through one padded flow batch."""
     pipeline, lm = engine.pipeline, engine.pipeline._lm
     requests = [engine.request(**options) for _, options in JOBS]
     jobs = [(engine.units(text), req) for (text, _), req in zip(JOBS, requests)]
@@ -69,8 +70,17 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine) -> None:
     assert max(shared) >= 4  # the four requests (five rows) decoded in common steps
     # audio: each job alone, then all four in one call
     alone = [engine.render_requests([job])[0] for job in jobs]
+    flow_rows: list[set[int]] = []
+    mels = pipeline._flow.mels
+
+    def recorded(prompts, token_rows):
+        flow_rows.append({id(p) for p in prompts})  # one FlowPrompt object per request
+        return mels(prompts, token_rows)
+
+    monkeypatch.setattr(pipeline._flow, "mels", recorded)
     before = pipeline.decode_stats()
     together = engine.render_requests(jobs)
+    assert any(len(requests_in_call) > 1 for requests_in_call in flow_rows)
     assert max(_stats_delta(before, pipeline.decode_stats())) > 1
     for a, b in zip(alone, together):
         assert a.size and np.array_equal(a, b)
