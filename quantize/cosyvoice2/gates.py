@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import onnxruntime as ort
@@ -127,7 +127,8 @@ class Gates:
             self._sessions[path] = session(path)
         return self._sessions[path].run(None, feeds)
 
-    def forget(self, paths) -> None:
+    def forget(self, paths: Iterable[Path]) -> None:
+        """Close the sessions of graphs that will not be scored again."""
         for path in paths:
             self._sessions.pop(path, None)
 
@@ -270,19 +271,20 @@ class Gates:
         return [{"mel": m, "source": self.run(self.fp32["hift_source"], {"mel": m, "noise": noise(m)})[0]}
                 for m in mels]
 
-    def hift(self, graphs: dict[str, Path], precision: str) -> StageReport:
-        mel = self._reference_mel()
+    def _reference_wave(self) -> np.ndarray:
         if "wave" not in self._reference:
-            self._reference["wave"] = self.wave(self.fp32, mel)
-        ref, got = self._reference["wave"], self.wave(graphs, mel)
+            self._reference["wave"] = self.wave(self.fp32, self._reference_mel())
+        return self._reference["wave"]
+
+    def hift(self, graphs: dict[str, Path], precision: str) -> StageReport:
+        ref, got = self._reference_wave(), self.wave(graphs, self._reference_mel())
         return judge("hift", precision, {"snr_db": snr_db(ref, got),
                                          "mcd_db": mel_cepstral_distortion(ref, got, self.config.sample_rate)})
 
     def e2e(self, graphs: dict[str, Path], precision: str) -> StageReport:
         """Flow + HiFT of the target from the same tokens against the all-fp32 chain (the LLM has its own gate)."""
-        self.hift(self.fp32, "fp32")  # fills the reference wave
         got = self.wave(graphs, self.mel(graphs, *self._utterance(0, FLOW_TOKENS)))
-        return judge("e2e", precision, {"mcd_db": mel_cepstral_distortion(self._reference["wave"], got,
+        return judge("e2e", precision, {"mcd_db": mel_cepstral_distortion(self._reference_wave(), got,
                                                                           self.config.sample_rate)})
 
     def check(self, stage: str, graphs: dict[str, Path], precision: str) -> StageReport:

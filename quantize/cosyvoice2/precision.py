@@ -18,6 +18,8 @@ the STFT / iSTFT and the speech-token head in high precision.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import re
 from contextlib import contextmanager
@@ -89,6 +91,16 @@ def _quiet_root_logger():
         yield
     finally:
         root.setLevel(level)
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps the freed protobuf / numpy buffers of a 1.4 GB graph mapped (RSS grew past 8 GB over two LLM
+    graphs); hand them back to the OS between graphs."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 # ------------------------------------------------------------------------------------------- int8 weights (cpu LLM)
@@ -194,12 +206,19 @@ _FP32_SOURCES = frozenset({"Cast", "ConstantOfShape", "RandomNormal", "RandomNor
 
 
 def _float_tensors(model: onnx.ModelProto) -> set[str]:
-    """Names of every float32 tensor (inputs, initializers, node outputs) after ONNX type inference."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    graph = inferred.graph
+    """Names of every float32 tensor (inputs, initializers, node outputs) after ONNX type inference.
+
+    Inference runs on a weightless copy (initializers turned into typed inputs): a full-size graph is not copied.
+    """
+    light = helper.make_model(
+        helper.make_graph(model.graph.node, "types", [*model.graph.input, *(
+            helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in model.graph.initializer)],
+            model.graph.output), opset_imports=model.opset_import)
+    light.ir_version = model.ir_version
+    graph = onnx.shape_inference.infer_shapes(light).graph
     floats = {v.name for v in (*graph.input, *graph.output, *graph.value_info)
               if v.type.tensor_type.elem_type == TensorProto.FLOAT}
-    floats |= {t.name for t in graph.initializer if t.data_type == TensorProto.FLOAT}
+    floats |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
     for node in graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value" \
                 and node.attribute[0].t.data_type == TensorProto.FLOAT:
@@ -418,6 +437,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
             needs = v.precision == "int8" and not (v.component == v.graph and v.graph.startswith("llm_"))
             files[key] = build_variant(v, fp32[v.graph], work / f"{v.component}.{v.precision}.onnx",
                                        calibration_for(v.graph) if needs else None, cpu_llm_method)
+            _return_freed_memory()
         return files[key]
 
     config: dict[str, dict] = {}
@@ -434,8 +454,10 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
             for rank in range(start, len(ladder)):
                 precision = ladder[rank]
                 if precision != "fp32":
-                    result = gates.check(stage, {v.graph: path_of(v)
-                                                 for v in stage_variants(target, stage, precision)}, precision)
+                    graphs = {v.graph: path_of(v) for v in stage_variants(target, stage, precision)}
+                    result = gates.check(stage, graphs, precision)
+                    gates.forget(p for g, p in graphs.items() if p != fp32[g])   # full-size sessions are large
+                    _return_freed_memory()
                     entry["attempts"].append(result.as_dict())
                     log(f"{target} {stage} {precision}: {result.metrics} "
                         f"{'pass' if result.passed else result.failures}")
