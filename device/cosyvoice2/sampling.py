@@ -45,8 +45,16 @@ def draw(weights: np.ndarray, rng: np.random.Generator) -> int:
 
 
 def nucleus_candidates(probs: np.ndarray, top_p: float, top_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, their probabilities) kept by the nucleus rule, in descending probability order."""
-    order = np.argsort(-probs, kind="stable")
+    """(token ids, their probabilities) kept by the nucleus rule, in descending probability order (ties: lower id
+    first). Only the top_k highest can be kept, so only they are sorted: those at or above the top_k-th highest
+    probability, in id order, sorted stably, are the head of the full stable sort (one row per request and decode
+    step: a full sort of the vocabulary was most of the sampling time)."""
+    k = min(int(top_k), probs.size)
+    if k <= 0:
+        return np.zeros(0, np.int64), probs[:0]
+    floor = probs[np.argpartition(-probs, k - 1)[k - 1]]  # the k-th highest probability
+    head = np.flatnonzero(probs >= floor)
+    order = head[np.argsort(-probs[head], kind="stable")][:k]
     ranked = probs[order]
     before = np.cumsum(ranked) - ranked  # probability accumulated before each candidate
     count = min(int(top_k), int(np.count_nonzero(before < top_p)))

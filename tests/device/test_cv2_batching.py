@@ -156,3 +156,27 @@ def test_abandoned_stream_leaves_the_batch(engine: Engine) -> None:
     assert tokens and info["tokens"] - before["tokens"] < 400 + len(tokens)
     assert info["active_rows"] == 0 and info["waiting_groups"] == 0
     assert info["decode_steps"] > 0 and info["mean_rows"] >= 1.0
+
+
+def _full_sort_nucleus(probs: np.ndarray, top_p: float, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The nucleus rule over a full stable sort of the vocabulary (what the partial sort must reproduce)."""
+    order = np.argsort(-probs, kind="stable")
+    ranked = probs[order]
+    before = np.cumsum(ranked) - ranked
+    count = min(int(top_k), int(np.count_nonzero(before < top_p)))
+    return order[:count], ranked[:count]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partial_sort_nucleus_equals_the_full_sort(seed: int) -> None:
+    """Sampling runs once per row and step in the decode worker, so it sorts only the top_k head; ids and
+    probabilities must be exactly those of the full stable sort, ties (coarse probabilities) included."""
+    from device.cosyvoice2.sampling import nucleus_candidates, softmax
+    rng = np.random.default_rng(seed)
+    rows = [softmax(rng.normal(0, scale, 6564)) for scale in (0.5, 3.0, 8.0)]
+    rows += [np.round(rows[0] * 2000) / 2000, np.full(40, 1 / 40), softmax(np.repeat(rng.normal(0, 3, 50), 20))]
+    for probs in rows:
+        for top_p, top_k in ((0.8, 25), (0.99, 25), (0.3, 3), (1.0, 1), (0.8, 10 ** 6)):
+            ids, kept = nucleus_candidates(probs, top_p, top_k)
+            ref_ids, ref_kept = _full_sort_nucleus(probs, top_p, top_k)
+            assert np.array_equal(ids, ref_ids) and np.array_equal(kept, ref_kept)
