@@ -2,7 +2,6 @@
 release is rejected with a message naming the file and the key."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

@@ -37,19 +37,6 @@ STREAM_CHUNKS = [(case, chunk["chunk"]) for case, info in
     if (VECTORS / "index.json").is_file() else []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def release(golden_dir: Path) -> Release:
-    return Release.open(golden_dir / "cosyvoice2-tiny")
-
-
 @pytest.fixture(scope="module")
 def flow(release: Release) -> CausalMaskedDiffWithXvec:
     return build_flow(release)

@@ -39,19 +39,6 @@ STANDARD_OPS = {"Abs", "Add", "Cast", "Clip", "Concat", "Constant", "ConstantOfS
                 "Squeeze", "Sub", "Tanh", "Transpose", "Unsqueeze", "Where"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def release(golden_dir: Path) -> Release:
-    return Release.open(golden_dir / "cosyvoice2-tiny")
-
-
 @pytest.fixture(scope="module")
 def vectors(golden_dir: Path) -> dict[str, dict[str, np.ndarray]]:
     root = golden_dir / "cosyvoice2-tiny" / "vectors"

@@ -24,23 +24,8 @@ LLM_NPZ = RELEASE_DIR / "vectors" / "llm.npz"
 LOGP_ATOL = 1e-4
 ONNX_ATOL = 1e-4
 
-CASES = sorted({k.split("__")[0] for k in np.load(LLM_NPZ).files}) if LLM_NPZ.is_file() else []
+CASES = sorted({k.split("__")[0] for k in np.load(LLM_NPZ).files})  # a missing golden file fails collection
 HEAVY = [c for c in CASES if c in ("sft0_s0", "zero_shot0_s0", "cross_lingual0_s0", "instruct20_s0")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def release() -> Release:
-    if not RELEASE_DIR.is_dir():
-        pytest.skip(f"golden release not found at {RELEASE_DIR}")
-    return Release.open(RELEASE_DIR)
 
 
 @pytest.fixture(scope="module")

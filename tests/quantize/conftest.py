@@ -1,0 +1,23 @@
+"""Fixtures of the build-host tests: torch on one thread (the machine is shared), the tiny official release."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantize.cosyvoice2.release import Release
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def release(golden_dir: Path) -> Release:
+    """The tiny random-weight CosyVoice2 release in the official on-disk layout."""
+    return Release.open(golden_dir / "cosyvoice2-tiny")
