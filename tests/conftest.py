@@ -52,3 +52,24 @@ def cv2_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         return write_bundle(golden_dir / "cosyvoice2-tiny", tmp_path_factory.mktemp("cv2") / "tiny")
     finally:
         torch.set_num_threads(threads)
+
+
+_BLOCK_TORCH = '''
+import importlib.abc, sys
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchaudio"):
+            raise ImportError("torch is forbidden in the device runtime")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+'''
+
+
+@pytest.fixture()
+def torch_blocked_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for a subprocess in which `import torch` fails (a sitecustomize meta-path blocker)."""
+    site = tmp_path / "no_torch_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCK_TORCH)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "COSYEDGE_THREADS": "1", "OMP_NUM_THREADS": "1"}

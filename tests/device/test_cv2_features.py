@@ -5,7 +5,6 @@ float64-exact numpy here, so each bound is at least the official fp32-vs-fp64 er
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,16 +123,6 @@ def test_prompt_limits(sessions):
         F.extract_prompt(np.zeros(8000, np.float32), 8000, *sessions, mel_config=FLOW_MEL)
 
 
-BLOCK_TORCH = """
-import importlib.abc, sys
-class _NoTorch(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch.") or name.startswith("torchaudio"):
-            raise ImportError("torch is blocked: device code must not import it")
-        return None
-sys.meta_path.insert(0, _NoTorch())
-"""
-
 RUN_WITHOUT_TORCH = """
 import sys
 import numpy as np, soundfile as sf, onnxruntime as ort
@@ -158,9 +147,8 @@ print(features.tokens.shape[0], segments, frontend.encode(segments[0])[:3], "tor
 """
 
 
-def test_runs_with_torch_unimportable(cv2_tiny_dir, golden_dir, tmp_path):
-    (tmp_path / "sitecustomize.py").write_text(BLOCK_TORCH)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]), OMP_NUM_THREADS="1")
+def test_runs_with_torch_unimportable(cv2_tiny_dir, golden_dir, tmp_path, torch_blocked_env):
+    env = torch_blocked_env
     result = subprocess.run(
         [sys.executable, "-c", RUN_WITHOUT_TORCH, str(cv2_tiny_dir),
          str(golden_dir / "audio" / "zero_shot_prompt.wav"), str(tmp_path / "tokenizer.json")],

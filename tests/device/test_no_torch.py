@@ -1,35 +1,21 @@
 """The runtime install must never need torch: run it in a process where `import torch` fails."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-BLOCKER = """
-import sys
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is forbidden in the device runtime")
-        return None
-sys.meta_path.insert(0, _NoTorch())
-"""
+def run_without_torch(code: str, env: dict[str, str], home: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "COSYEDGE_HOME": str(home)}, timeout=300)
 
 
-def run_without_torch(code: str, tmp_path: Path, home: Path) -> subprocess.CompletedProcess:
-    (tmp_path / "sitecustomize.py").write_text(BLOCKER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "COSYEDGE_HOME": str(home), "COSYEDGE_THREADS": "1"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-
-
-def test_blocker_really_blocks(tmp_path, default_bundle_path):
-    result = run_without_torch("import torch", tmp_path, default_bundle_path.parents[1])
+def test_blocker_really_blocks(torch_blocked_env, default_bundle_path):
+    result = run_without_torch("import torch", torch_blocked_env, default_bundle_path.parents[1])
     assert result.returncode != 0 and "forbidden" in result.stderr
 
 
-def test_runtime_and_api_work_without_torch(tmp_path, default_bundle_path):
+def test_runtime_and_api_work_without_torch(torch_blocked_env, default_bundle_path):
     code = (
         "import device, device.engine, device.cli, device.bench, device.batchjob, api\n"
         "from device.engine import Engine\n"
@@ -38,12 +24,12 @@ def test_runtime_and_api_work_without_torch(tmp_path, default_bundle_path):
         "import sys; assert 'torch' not in sys.modules\n"
         "print('ok')\n"
     )
-    result = run_without_torch(code, tmp_path, default_bundle_path.parents[1])
+    result = run_without_torch(code, torch_blocked_env, default_bundle_path.parents[1])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().endswith("ok")
 
 
-def test_first_use_build_of_default_voice_without_torch(tmp_path):
+def test_first_use_build_of_default_voice_without_torch(torch_blocked_env, tmp_path):
     """A fresh box builds the default bundle with no torch (quality measured without the speaker encoder)."""
     home = tmp_path / "fresh"
     code = (
@@ -53,6 +39,6 @@ def test_first_use_build_of_default_voice_without_torch(tmp_path):
         "assert 'resemblyzer unavailable' in m.quality['speaker_similarity'], m.quality['speaker_similarity']\n"
         "print('ok', m.default_precision)\n"
     )
-    result = run_without_torch(code, tmp_path, home)
+    result = run_without_torch(code, torch_blocked_env, home)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("ok")
