@@ -127,14 +127,14 @@ def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
     req_b = engine.request(voice=SFT_VOICE, sampling="greedy")
     (a_input,), (a_text,) = _lm_inputs(engine, "收到好友从远方寄来的生日礼物。", req_a)
     (b_input,), (b_text,) = _lm_inputs(engine, JOBS[0][0], req_b)
-    solo_a = list(lm.tokens(a_input, a_text, False, np.random.default_rng(21), pin=120))
+    solo_a = list(lm.tokens(a_input, a_text, False, np.random.default_rng(21), pin=400))
     solo_b = list(lm.tokens(b_input, b_text, True, np.random.default_rng(0)))
     before = pipeline.decode_stats()
-    stream_a = pipeline._decoder.stream(a_input, a_text, False, np.random.default_rng(21), pin=120)
+    stream_a = pipeline._decoder.stream(a_input, a_text, False, np.random.default_rng(21), pin=400)
     got_a = [next(stream_a) for _ in range(5)]  # A is decoding now
     group_b = pipeline._decoder.submit([b_input], [b_text], True, np.random.default_rng(0))
     got_a += list(stream_a)
-    assert got_a == solo_a and len(solo_a) == 120
+    assert got_a == solo_a and len(solo_a) == 400
     assert group_b.results() == [solo_b]
     after = pipeline.decode_stats()
     assert after["joined_running"] - before["joined_running"] == 1

@@ -18,7 +18,6 @@ from device.cosyvoice2 import features as F
 from device.errors import InputError
 
 FLOW_MEL = F.FlowMelConfig(n_fft=1920, hop=480, win=1920, n_mels=80, fmin=0.0, fmax=8000.0, sample_rate=24000)
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
