@@ -375,9 +375,11 @@ def machine_info(threads: int, settings: Settings, rounds: int, texts: int) -> d
 def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Sequence[int] = (1, 4, 8),
                         streams: Sequence[bool] = (True, False), tokens: int | None = None,
                         reference: Path | None = None, threads: int = 2, texts: Sequence[str] = TEXTS,
-                        rounds: int = 1, sampling: str = "greedy") -> dict[str, Any]:
+                        rounds: int = 1, sampling: str = "greedy",
+                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The report `{"machine": ..., "runs": [...]}`; the reference (PyTorch, fp32, same release) runs at
-    concurrency 1 only, interleaved batch by batch with the device precisions."""
+    concurrency 1 only, interleaved batch by batch with the device precisions. `progress` gets a line per batch."""
+    say = progress or (lambda line: None)
     from device.bundle import Bundle
     manifest = Bundle.load(bundle, verify=False).manifest
     if manifest.family != "cosyvoice2":
@@ -400,8 +402,9 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
                                                     str(reference), "--threads", str(threads)])
     runs = []
     try:
-        for worker in workers.values():
-            worker.wait_ready()
+        for name, worker in workers.items():
+            info = worker.wait_ready()
+            say(f"{name}: ready, peak RSS {info['peak_rss_mb']:.0f} MB")
         for c in concurrency:
             for stream in streams:
                 names = [n for n in workers if c == 1 or n != "reference"]
@@ -410,7 +413,10 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
                     for index, batch in enumerate(batches(texts, c)):
                         for name in (names if index % 2 == 0 else names[::-1]):  # ABBA
                             first = not acc[name].latency_s
-                            acc[name].add(workers[name].batch(batch, stream, settings, reset_peak=first))
+                            reply = workers[name].batch(batch, stream, settings, reset_peak=first)
+                            acc[name].add(reply)
+                            say(f"{name}: concurrency {c}, stream {'on' if stream else 'off'}, batch {index + 1}: "
+                                f"{reply['audio_s']:.2f} s of audio in {reply['wall_s']:.2f} s")
                 runs += [acc[name].row(workers[name].info, c, stream) for name in names]
     finally:
         for worker in workers.values():

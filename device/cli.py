@@ -161,7 +161,8 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
     report = run_cosyvoice_bench(Path(args.bundle), args.precisions.split(","), concurrency=concurrency,
                                  streams=list(dict.fromkeys(streams)), tokens=args.tokens,
                                  reference=Path(args.reference) if args.reference else None, threads=args.threads,
-                                 texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling)
+                                 texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling,
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(report))
     if out:
         out.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
