@@ -406,7 +406,8 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     moves down its ladder (int8 -> fp16 -> fp32 for trt-int8, int8 -> fp32 for cpu, fp16 -> fp32 for gpu-fp16) and the
     manifest records `fallback_from`. The cpu HiFT decoder is int8 only when it passes (fp32 otherwise, no error).
     After the stages, the end-to-end gate (flow + HiFT from the same tokens) must pass as well; with
-    `allow_fallback` the HiFT and then the flow stage fall back until it does.
+    `allow_fallback` the lower-precision of flow / HiFT (the flow on a tie) moves up one rung until it does.
+    Graphs of rejected attempts are deleted from `work`.
     """
     from device.errors import ReleaseError
     from quantize.cosyvoice2.gates import Gates
