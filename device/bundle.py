@@ -128,9 +128,7 @@ class Bundle:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BundleError(f"{MANIFEST} of bundle {label!r} is not valid JSON ({exc}); re-create the bundle") from None
         bundle = cls(root, Manifest.from_dict(data))
-        if precision is not None and precision not in bundle.manifest.precisions:
-            raise BundleError(f"bundle {label!r} has no {precision!r} graphs; it has: {', '.join(bundle.manifest.precisions)}")
-        checked = [c for c in bundle.manifest.components if precision is None or c.precision == precision]
+        checked = bundle.manifest.components if precision is None else tuple(bundle.selected(precision).values())
         for entry in (*checked, *bundle.manifest.assets):
             bundle._check_file(entry.file, entry.sha256, verify)
         return bundle
@@ -149,6 +147,36 @@ class Bundle:
         if self.root.resolve() not in candidate.parents:
             raise BundleError(f"{MANIFEST}: file name {rel!r} points outside the bundle")
         return candidate
+
+    @property
+    def targets(self) -> dict[str, Any]:
+        """Precision targets written by `cosyedge quantize --target` (cpu, gpu-fp16, trt-int8)."""
+        return dict(self.manifest.config.get("targets", {}))
+
+    def selected(self, selection: str) -> dict[str, Component]:
+        """The component every graph runs with under `selection`.
+
+        A target name (`cpu`, `gpu-fp16`, `trt-int8`) uses the graphs its quality gates chose; a precision
+        (`int8`) uses that precision where a graph has it and fp32 elsewhere (stages quantise unevenly).
+        """
+        names = list(dict.fromkeys(c.name for c in self.manifest.components))
+        target = self.targets.get(selection)
+        if target is not None:
+            try:
+                chosen = {name: self.component(entry["component"], entry["precision"])
+                          for name, entry in target["graphs"].items()}
+            except (KeyError, TypeError):
+                raise BundleError(f"{MANIFEST}: target {selection!r} is malformed; re-create the bundle") from None
+            return chosen | {n: self.component(n, "fp32") for n in names if n not in chosen and self._has(n, "fp32")
+                             and not n.startswith("trt_")}
+        if selection not in self.manifest.precisions:
+            known = [*self.manifest.precisions, *self.targets]
+            raise BundleError(f"bundle {self.root.name!r} has no {selection!r} graphs; it has: {', '.join(known)}")
+        return {n: self.component(n, selection if self._has(n, selection) else "fp32") for n in names
+                if (self._has(n, selection) or self._has(n, "fp32")) and not n.startswith("trt_")}
+
+    def _has(self, name: str, precision: str) -> bool:
+        return any(c.name == name and c.precision == precision for c in self.manifest.components)
 
     def component(self, name: str, precision: str) -> Component:
         for comp in self.manifest.components:

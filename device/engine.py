@@ -43,6 +43,19 @@ def _load_pipeline(bundle: Bundle, precision: str, sessions: SessionConfig) -> P
     raise BundleError(f"bundle {bundle.root.name!r}: family {family!r} is not supported by this runtime yet")
 
 
+# Which quantize target suits which execution provider, best first.
+_TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", "cpu"))
+
+
+def _auto_selection(bundle: Bundle, sessions: SessionConfig) -> str:
+    """`precision="auto"`: the bundle's target for the best available provider, else its measured default."""
+    available = sessions.available()
+    for provider, target in _TARGET_FOR_PROVIDER:
+        if provider in available and target in bundle.targets:
+            return target
+    return bundle.manifest.default_precision
+
+
 class Engine:
     """One loaded bundle. Thread-safe: requests share only read-only state and ORT sessions."""
 
@@ -65,10 +78,11 @@ class Engine:
         if bundle_path is None:
             from device.default_voice import default_bundle
             bundle_path = default_bundle()
+        sessions = sessions or SessionConfig.from_env()
         manifest_only = Bundle.load(bundle_path, verify=False)
-        chosen = manifest_only.manifest.default_precision if precision == "auto" else precision
+        chosen = _auto_selection(manifest_only, sessions) if precision == "auto" else precision
         bundle = Bundle.load(bundle_path, precision=chosen)
-        engine = cls(bundle, _load_pipeline(bundle, chosen, sessions or SessionConfig.from_env()), chosen,
+        engine = cls(bundle, _load_pipeline(bundle, chosen, sessions), chosen,
                      options or BatchOptions(), Path(state_dir) if state_dir else None)
         engine._load_registered_voices()
         if warmup:

@@ -39,6 +39,11 @@ class SessionConfig:
         return cls(providers=providers, intra_op_threads=int(os.environ.get("COSYEDGE_THREADS", "0")),
                    trt_cache_dir=Path(cache) if cache else None)
 
+    def available(self) -> list[str]:
+        """The configured providers (short names, in order) that this onnxruntime build offers."""
+        offered = set(ort.get_available_providers())
+        return [short for short in self.providers if PROVIDER_NAMES[short] in offered]
+
     def resolved_providers(self) -> list[str | tuple[str, dict]]:
         """The configured providers that this onnxruntime build offers, with a warning for each missing one."""
         available = set(ort.get_available_providers())

@@ -52,9 +52,12 @@ class CosyVoice2Pipeline:
         self.sample_rate = manifest.sample_rate
         self._frontend = TextFrontend(bundle.asset("tokenizer"))
         self._frontend_lock = threading.Lock()  # the wetext normalisers are built lazily and are not known thread-safe
-        self._precision = {name: self._stage_precision(bundle, name, precision) for name in STAGES}
-        self._sessions = {name: create_session(bundle.path(bundle.component(name, p).file), sessions)
-                          for name, p in self._precision.items()}
+        graphs = bundle.selected(precision)  # a precision (fp32, int8) or a quantize target (cpu, trt-int8)
+        missing = [name for name in STAGES if name not in graphs]
+        if missing:
+            raise BundleError(f"bundle {bundle.root.name!r} has no graph {missing[0]!r} for {precision!r}")
+        self._precision = {name: graphs[name].precision for name in STAGES}
+        self._sessions = {name: create_session(bundle.path(graphs[name].file), sessions) for name in STAGES}
         s = self._sessions
         try:
             self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
@@ -78,16 +81,6 @@ class CosyVoice2Pipeline:
         self._session_config = sessions
         self._prompt_models: tuple[Any, Any] | None = None
         self._prompt_lock = threading.Lock()
-
-    @staticmethod
-    def _stage_precision(bundle: Bundle, name: str, precision: str) -> str:
-        """The requested precision where the bundle has it for this stage, else fp32 (stages quantise unevenly)."""
-        have = {c.precision for c in bundle.manifest.components if c.name == name}
-        if precision in have:
-            return precision
-        if "fp32" in have:
-            return "fp32"
-        raise BundleError(f"bundle {bundle.root.name!r} has no {precision} or fp32 graph {name!r}")
 
     # -- Pipeline protocol ------------------------------------------------------------------
     def voices(self) -> list[str]:

@@ -247,3 +247,22 @@ def test_cli_rejects_an_unknown_target(golden_dir, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unknown --target 'npu'" in result.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_device_runtime_runs_every_target_and_auto_picks_cpu(bundle):
+    """The runtime loads a target's gated graphs by name; on this CPU-only box `auto` means the cpu target."""
+    from device.engine import Engine
+    from device.sessions import SessionConfig
+    sessions = SessionConfig(providers=("cpu",), intra_op_threads=1)
+    auto = Engine.load(bundle.root, sessions=sessions, warmup=False)
+    assert auto.precision == "cpu"
+    stages = bundle.manifest.config["targets"]["cpu"]["graphs"]
+    assert auto.pipeline.describe()["precision"]["llm_decode"] == stages["llm_decode"]["precision"] == "int8"
+    reference = Engine.load(bundle.root, precision="fp32", sessions=sessions, warmup=False)
+    text = "收到好友从远方寄来的生日礼物。"
+    want = reference.synthesize_array(text, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
+    for target in ("cpu", "gpu-fp16", "trt-int8"):
+        engine = Engine.load(bundle.root, precision=target, sessions=sessions, warmup=False)
+        got = engine.synthesize_array(text, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
+        assert got.size > 0 and np.all(np.isfinite(got)) and np.abs(got).max() <= 1.0, target
+        assert abs(got.size - want.size) <= want.size // 2, target  # greedy tokens may differ a little, not wildly
