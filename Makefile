@@ -30,11 +30,14 @@ test: buildhost  ## the whole test suite (what CI runs)
 
 MODEL_DIR ?=
 OUT ?= bundles/$(notdir $(abspath $(MODEL_DIR)))
-quantize: buildhost  ## no MODEL_DIR: the default voice's bundle; MODEL_DIR=<official release>: a CosyVoice bundle in $(OUT)
+TARGETS ?= cpu,gpu-fp16,trt-int8
+ALLOW_FALLBACK ?= 1
+quantize: buildhost  ## no MODEL_DIR: the default voice's bundle; MODEL_DIR=<official release>: a CosyVoice bundle in $(OUT) with fp32 + TARGETS
 ifeq ($(MODEL_DIR),)
 	$(BIN)/cosyedge quantize --force
 else
-	$(BIN)/cosyedge quantize --model-dir $(MODEL_DIR) --out $(OUT)
+	$(BIN)/cosyedge quantize --model-dir $(MODEL_DIR) --out $(OUT) $(if $(TARGETS),--target $(TARGETS)) \
+	  $(if $(filter 1,$(ALLOW_FALLBACK)),--allow-fallback)
 endif
 
 bench: runtime  ## RTF of the default voice: fp32, int8 and piper-tts side by side
