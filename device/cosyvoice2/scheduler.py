@@ -142,7 +142,8 @@ class DecodeScheduler:
                     "rows_per_step": hist, "mean_rows": (sum(k * v for k, v in hist.items()) / steps) if steps else 0.0,
                     "joined_running": self._joined_running, "cache_rebuilds": self._rebuilds,
                     "seconds": {k: round(v, 6) for k, v in self._seconds.items()},
-                    "active_rows": sum(not row.done for row in self._rows), "waiting_groups": len(self._waiting), "max_rows": self.max_rows}
+                    "active_rows": sum(not row.done for row in self._rows), "waiting_groups": len(self._waiting),
+                    "max_rows": self.max_rows}
 
     # -- worker ------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -226,8 +227,8 @@ class DecodeScheduler:
                 continue
             if row.group.pinned:
                 scores = cfg.unstoppable(scores)
-            token = choose_token(scores, len(row.history), row.min_len, cfg.eos, row.history, row.group.greedy, cfg.sampling,
-                                 row.group.rng)
+            token = choose_token(scores, len(row.history), row.min_len, cfg.eos, row.history, row.group.greedy,
+                                 cfg.sampling, row.group.rng)
             if token in cfg.stop_ids:
                 row.finish()
                 continue

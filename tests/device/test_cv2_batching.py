@@ -21,8 +21,8 @@ ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
 
 @pytest.fixture(scope="module")
 def engine(cv2_tiny_bundle: Path) -> Engine:
-    return Engine.load(cv2_tiny_bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
-                       warmup=False)
+    return Engine.load(cv2_tiny_bundle, precision="fp32",
+                       sessions=SessionConfig(providers=("cpu",), intra_op_threads=1), warmup=False)
 
 
 def _stats_delta(before: dict, after: dict) -> dict[int, int]:
@@ -39,8 +39,9 @@ def _lm_inputs(engine: Engine, text: str, request: Request) -> tuple[list[np.nda
             [len(u.ids) for u in units])
 
 
+# two units (the text of golden case zero_shot2)
 LONG_ZH = ("人工智能正在改变我们的生活方式。从智能手机上的语音助手，到自动驾驶汽车，再到医疗诊断系统，这些技术已经深入到社会的各个角"
-           "落。然而，随着技术的快速发展，人们也开始担心隐私保护、就业替代以及算法偏见等问题。专家们认为，我们需要在推动创新的同")  # two units (golden case zero_shot2)
+           "落。然而，随着技术的快速发展，人们也开始担心隐私保护、就业替代以及算法偏见等问题。专家们认为，我们需要在推动创新的同")
 JOBS = [("你好，世界！", {"voice": SFT_VOICE, "sampling": "greedy", "deterministic": True}),
         (LONG_ZH, {"voice": ZH_VOICE, "seed": 5}),
         ("Good morning, my friend.", {"voice": ZH_VOICE, "mode": "cross_lingual", "seed": 6}),
@@ -59,8 +60,9 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     for (text, _), req in zip(JOBS, requests):
         lm_inputs, n_text = _lm_inputs(engine, text, req)
         rng = np.random.default_rng(req.seed)
-        alone_tokens.append([list(lm.tokens(lm_inputs[0], n_text[0], req.sampling == "greedy", rng))]
-                            if len(lm_inputs) == 1 else lm.batch_tokens(lm_inputs, n_text, req.sampling == "greedy", rng))
+        greedy = req.sampling == "greedy"
+        alone_tokens.append([list(lm.tokens(lm_inputs[0], n_text[0], greedy, rng))] if len(lm_inputs) == 1
+                            else lm.batch_tokens(lm_inputs, n_text, greedy, rng))
     assert len(alone_tokens[1]) == 2 and all(rows and all(rows) for rows in alone_tokens)
     before = pipeline.decode_stats()
     groups = [pipeline._decoder.submit(*_lm_inputs(engine, text, req), req.sampling == "greedy",
