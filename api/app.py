@@ -68,6 +68,11 @@ class Service:
                                   f"available: {', '.join(voices[:20])}")
             aliases[alias] = target
         self.engine, self.aliases = engine, aliases
+        decode_stats = getattr(engine.pipeline, "decode_stats", None)  # CosyVoice's cross-request LLM batching
+        if decode_stats is not None:
+            for gauge, key in (("cosyedge_decode_steps", "decode_steps"), ("cosyedge_decode_rows_mean", "mean_rows"),
+                               ("cosyedge_decode_active_rows", "active_rows")):
+                self.metrics.gauge(gauge, lambda key=key: float(decode_stats()[key]))
         self.batcher = BatchQueue(engine, self.metrics, self.config.queue_size, self.config.batch_max,
                                   self.config.batch_timeout, heartbeat, heartbeat_interval)
         self.batcher.start()

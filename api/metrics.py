@@ -56,6 +56,9 @@ class Metrics:
         "cosyedge_stream_disconnects_total": ("counter", "streaming responses whose client went away before the end"),
         "cosyedge_stream_units_skipped_total": ("counter", "sentences not synthesized because their stream's client left"),
         "cosyedge_ready": ("gauge", "1 once the voice is loaded and warmed up"),
+        "cosyedge_decode_steps": ("gauge", "CosyVoice: batched LLM decode steps run so far"),
+        "cosyedge_decode_rows_mean": ("gauge", "CosyVoice: mean requests' rows per LLM decode step (cross-request batching)"),
+        "cosyedge_decode_active_rows": ("gauge", "CosyVoice: rows decoding right now"),
     }
 
     def __init__(self) -> None:

@@ -42,6 +42,26 @@ def _pcm(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, "<i2").astype(np.float32) / 32767
 
 
+def test_concurrent_requests_share_llm_decode_steps(cv2_server):
+    """Four clients at once: their LLM decode steps run batched (cross-request), visible in /metrics."""
+    import threading
+    results: list[int] = []
+
+    def client(voice: str, seed: int) -> None:
+        r = requests.post(cv2_server.url + "/v1/tts", timeout=T, json={"text": TEXT, "voice": voice, "seed": seed,
+                                                                       "format": "pcm"})
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=client, args=(v, s)) for s, v in enumerate(["tiny_spk_zh", "tiny_spk_en"] * 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(T)
+    assert results == [200] * 4
+    assert cv2_server.metric("cosyedge_decode_steps") > 0
+    assert cv2_server.metric("cosyedge_decode_rows_mean") > 1.0
+
+
 def test_voices_list_sft_and_zero_shot_entries(cv2_server):
     voices = requests.get(cv2_server.url + "/v1/audio/voices", timeout=T).json()["voices"]
     assert [(v["name"], v["kind"], v["speaker_id"]) for v in voices] == [
