@@ -401,6 +401,7 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
         workers["reference"] = Worker("reference", [python, "-m", "quantize.cosyvoice2.reference", "--worker",
                                                     str(reference), "--threads", str(threads)])
     runs = []
+    turn = 0  # ABBA over every batch of the whole bench, so single-batch configurations alternate too
     try:
         for name, worker in workers.items():
             info = worker.wait_ready()
@@ -411,12 +412,13 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
                 acc = {name: _Run() for name in names}
                 for _ in range(rounds):
                     for index, batch in enumerate(batches(texts, c)):
-                        for name in (names if index % 2 == 0 else names[::-1]):  # ABBA
+                        for name in (names if turn % 2 == 0 else names[::-1]):
                             first = not acc[name].latency_s
                             reply = workers[name].batch(batch, stream, settings, reset_peak=first)
                             acc[name].add(reply)
                             say(f"{name}: concurrency {c}, stream {'on' if stream else 'off'}, batch {index + 1}: "
                                 f"{reply['audio_s']:.2f} s of audio in {reply['wall_s']:.2f} s")
+                        turn += 1
                 runs += [acc[name].row(workers[name].info, c, stream) for name in names]
     finally:
         for worker in workers.values():
