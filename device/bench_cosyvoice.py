@@ -235,7 +235,7 @@ class DeviceBackend(Backend):
         create = cv2_pipeline.create_session
 
         def timed_session(path: Path, config: SessionConfig) -> Any:
-            graph = Path(path).name.split(".")[0]
+            graph = Path(path).name.split(".")[0].removeprefix("trt_")  # trt-int8 QDQ graphs: trt_<graph>
             session = create(path, config)
             return TimedSession(session, GRAPH_STAGE[graph], self.clock) if graph in GRAPH_STAGE else session
 
@@ -384,10 +384,11 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     manifest = Bundle.load(bundle, verify=False).manifest
     if manifest.family != "cosyvoice2":
         raise InputError(f"bundle {Path(bundle).name!r} is a {manifest.family} bundle, not cosyvoice2")
-    chosen = [p for p in dict.fromkeys(precisions) if p in manifest.precisions]
+    available = [*manifest.precisions, *manifest.config.get("targets", {})]  # precisions and quantize targets
+    chosen = [p for p in dict.fromkeys(precisions) if p in available]
     if not chosen:
         raise InputError(f"bundle {Path(bundle).name!r} has none of the precisions {', '.join(precisions)}; "
-                         f"it has {', '.join(manifest.precisions)}")
+                         f"it has {', '.join(available)}")
     if tokens is not None and tokens < 1:
         raise InputError("--tokens must be at least 1")
     if not texts or any(c < 1 for c in concurrency) or rounds < 1 or sampling not in ("greedy", "default"):

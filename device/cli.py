@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="measure real-time factor, precisions side by side")
     p.add_argument("--bundle")
-    p.add_argument("--precisions", default="fp32,int8", help="those the bundle has are measured")
+    p.add_argument("--precisions", default="fp32,int8",
+                   help="those the bundle has are measured (CosyVoice: also quantize targets, e.g. fp32,cpu)")
     p.add_argument("--rounds", type=int, help="passes over the text set (default: 3 Piper, 1 CosyVoice)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peer", action="store_true", help="skip the piper-tts reference runner")

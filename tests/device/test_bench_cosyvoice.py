@@ -102,3 +102,31 @@ def test_missing_precisions_are_skipped_and_no_reference_without_the_option(cv2_
 def test_cosyvoice_options_are_refused_for_piper_bundles(capsys):
     assert main(["bench", "--tokens", "5"]) == 2
     assert "CosyVoice bundles only" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def cv2_tiny_cpu_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny release with the `cpu` target (int8 LLM graphs; stages that miss their gate stay fp32)."""
+    import torch
+
+    from quantize.cosyvoice2.bundle import write_bundle
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return write_bundle(golden_dir / "cosyvoice2-tiny", tmp_path_factory.mktemp("cv2cpu") / "tiny-cpu",
+                            targets=["cpu"], allow_fallback=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_precisions_side_by_side_report_the_precision_of_every_stage(cv2_tiny_cpu_bundle, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--bundle", str(cv2_tiny_cpu_bundle), "--precisions", "fp32,int8,cpu", "--concurrency", "1",
+                 "--stream", "off", "--tokens", "3", "--texts", "1", "--threads", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text(encoding="utf-8"))["runs"]
+    assert len(runs) == 3 and all(r["backend"] == "device" for r in runs)
+    fp32, int8, target = (r["precision"] for r in runs)
+    assert set(fp32.values()) == {"fp32"}
+    assert int8["llm_prefill"] == int8["llm_decode"] == "int8"  # the cpu target always quantises the LLM
+    targets = json.loads((cv2_tiny_cpu_bundle / "manifest.json").read_text())["config"]["targets"]["cpu"]["graphs"]
+    assert target == {graph: entry["precision"] for graph, entry in targets.items() if graph in target}
