@@ -103,8 +103,9 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
     bundle = Bundle.load(bundle_path, precision=precision)
     cfg = bundle.manifest.config
     sessions = SessionConfig(providers=("cpu",), intra_op_threads=threads)
-    graph = {c.name: create_session(bundle.path(c.file), sessions) for c in bundle.manifest.components
-             if c.precision == precision and c.name not in ("campplus", "speech_tokenizer")}
+    selected = bundle.selected(precision)  # a precision or a quantize target (cpu, gpu-fp16, trt-int8)
+    graph = {name: create_session(bundle.path(c.file), sessions) for name, c in selected.items()
+             if name not in ("campplus", "speech_tokenizer")}
     rng = np.random.default_rng(0)
     hidden = np.load(bundle.asset("llm_embedding"), mmap_mode="r").shape[1]
     frames = cfg["token_mel_ratio"] * tokens
@@ -149,9 +150,9 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
                "flow": (ms["flow_encoder"] + cfg["n_timesteps"] * ms["flow_estimator_call"]) / 1000,
                "hift": (ms["hift_source"] + ms["hift_decoder"]) / 1000}
     audio_s = frames * cfg["hift_upsample"] / bundle.manifest.sample_rate
-    sizes = {c.name: round(bundle.path(c.file).stat().st_size / 2**20, 1) for c in bundle.manifest.components
-             if c.precision == precision}
-    return {"bundle": bundle.manifest.name, "precision": precision, "tokens": tokens, "prompt_positions": prompt,
+    sizes = {name: round(bundle.path(c.file).stat().st_size / 2**20, 1) for name, c in selected.items()}
+    return {"bundle": bundle.manifest.name, "precision": {name: c.precision for name, c in selected.items()},
+            "selection": precision, "tokens": tokens, "prompt_positions": prompt,
             "threads": threads, "graph_ms": ms, "stage_s": {k: round(v, 3) for k, v in stage_s.items()},
             "audio_s": audio_s, "rtf_graphs_only": round(sum(stage_s.values()) / audio_s, 3), "graph_mb": sizes,
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
