@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from device.cosyvoice2.sampling import SamplingConfig, choose_token
+from device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
 
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
@@ -48,9 +48,7 @@ class DecodeConfig:
 
     def unstoppable(self, logits: np.ndarray) -> np.ndarray:
         """Logits with every stop id at -inf: a pinned length must not end early on a non-eos stop id."""
-        logits = np.array(logits, copy=True)
-        logits[..., sorted(self.stop_ids)] = -np.inf
-        return logits
+        return without_stops(logits, self.stop_ids)
 
 
 @dataclass(frozen=True, eq=False)

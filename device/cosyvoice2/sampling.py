@@ -90,3 +90,10 @@ def choose_token(scores: np.ndarray, step: int, min_len: int, eos: int, history:
     if greedy:
         return int(np.argmax(scores))
     return ras_sample(scores, history, config, rng)
+
+
+def without_stops(logits: np.ndarray, stop_ids) -> np.ndarray:
+    """Logits with every stop id at -inf: a pinned length (bench) must not end early on any stop id."""
+    logits = np.array(logits, copy=True)
+    logits[..., sorted(stop_ids)] = -np.inf
+    return logits

@@ -27,7 +27,7 @@ from device.bench_cosyvoice import TEXTS, WARMUP_TOKENS, Backend, Settings, Stag
 from device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
 from device.cosyvoice2.flow import FlowPrompt
 from device.cosyvoice2.frontend import TextFrontend
-from device.cosyvoice2.sampling import SamplingConfig, choose_token
+from device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
 from device.cosyvoice2.streaming import stream_tokens
 from device.cosyvoice2.vocoder import StreamConfig
 from device.cosyvoice2.voices import ModeInputs, Voice
@@ -176,8 +176,7 @@ class ReferencePipeline(Backend):
         for step in range(max_len):
             scores = logits[0].numpy()
             if pin is not None:
-                scores = scores.copy()
-                scores[list(config.stop_ids)] = -np.inf
+                scores = without_stops(scores, config.stop_ids)
             token = choose_token(scores, step, min_len, config.eos, history, settings.sampling == "greedy",
                                  self._sampling, rng)
             if token in config.stop_ids:
