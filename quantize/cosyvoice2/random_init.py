@@ -51,6 +51,9 @@ def write_random_release(preset: str, template: Path, out: Path, seed: int = 0) 
     for rel in (YAML_NAME, "CosyVoice-BlankEN/config.json", *COPIED[:2], *COPIED[3:]):
         if not (template / rel).is_file():
             raise ReleaseError(f"template release lacks {rel}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ReleaseError(f"--out {out.name!r} exists and is not an empty directory; nothing was changed: "
+                           "choose a new or empty directory")
     spec = PRESETS[preset]
     (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
     (out / YAML_NAME).write_text(_sized_yaml((template / YAML_NAME).read_text(encoding="utf-8"), spec["yaml"]),

@@ -1,0 +1,106 @@
+"""`--out` belongs to the user: the bundle writer never deletes what it did not write (the data-loss defect:
+it used to remove the whole directory, so `--out ~/Documents` wiped the folder)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from device.bundle import Bundle
+from device.errors import BundleError
+from quantize.bundle_writer import BundleWriter
+
+
+def _write_bundle(out: Path, tag: str) -> Path:
+    """A minimal real bundle (one Identity graph) written through the writer."""
+    writer = BundleWriter(out)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], tag,
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
+    onnx.save(helper.make_model(graph), str(writer.work / "vits.fp32.onnx"))
+    (writer.work / "sub").mkdir()
+    (writer.work / "sub" / f"{tag}.txt").write_text(tag)
+    writer.add_component("vits", "fp32", "vits.fp32.onnx")
+    writer.add_asset("note", f"sub/{tag}.txt")
+    writer.write_manifest(family="vits", name=tag, sample_rate=22050, voices=("a",),
+                          provenance={"tool_version": "cosyedge-quantize 0.1.0"})
+    return writer.commit()
+
+
+def _leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def test_refuses_a_folder_of_user_files_and_changes_nothing(tmp_path):
+    documents = tmp_path / "Documents"
+    documents.mkdir()
+    (documents / "thesis.txt").write_text("years of work")
+    with pytest.raises(BundleError, match="not a bundle written by cosyedge"):
+        _write_bundle(documents, "new")
+    assert (documents / "thesis.txt").read_text() == "years of work"
+    assert sorted(p.name for p in documents.iterdir()) == ["thesis.txt"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_refuses_a_file_in_place_of_the_directory(tmp_path):
+    target = tmp_path / "bundle"
+    target.write_text("mine")
+    with pytest.raises(BundleError, match="not a directory"):
+        _write_bundle(target, "new")
+    assert target.read_text() == "mine"
+
+
+def test_writes_into_a_new_or_empty_directory(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert Bundle.load(_write_bundle(empty, "one")).manifest.name == "one"
+    assert Bundle.load(_write_bundle(tmp_path / "fresh" / "deep", "two")).manifest.name == "two"
+    assert _leftovers(tmp_path) == []
+
+
+def test_replaces_its_own_bundle_and_only_its_files(tmp_path):
+    out = _write_bundle(tmp_path / "b", "old")
+    _write_bundle(out, "new")
+    bundle = Bundle.load(out)  # hashes every file
+    assert bundle.manifest.name == "new"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
+        ["manifest.json", "sub", "sub/new.txt", "vits.fp32.onnx"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_own_bundle_with_a_user_file_added_is_refused(tmp_path):
+    out = _write_bundle(tmp_path / "b", "old")
+    (out / "sub" / "notes.md").write_text("my notes")
+    with pytest.raises(BundleError, match="not a bundle written by cosyedge"):
+        _write_bundle(out, "new")
+    assert (out / "sub" / "notes.md").read_text() == "my notes"
+    assert Bundle.load(out).manifest.name == "old"
+
+
+def test_a_foreign_manifest_does_not_make_a_folder_ours(tmp_path):
+    out = tmp_path / "other"
+    out.mkdir()
+    (out / "manifest.json").write_text('{"provenance": {"tool_version": "someone-else 1.0"}, '
+                                       '"components": [], "assets": []}')
+    with pytest.raises(BundleError):
+        _write_bundle(out, "new")
+    assert (out / "manifest.json").is_file()
+
+
+def test_cli_quantize_refuses_a_user_folder_before_any_work(golden_dir, tmp_path):
+    tiny_release = golden_dir / "cosyvoice2-tiny"
+    documents = tmp_path / "Documents"
+    documents.mkdir()
+    (documents / "photo.jpg").write_bytes(b"\xff\xd8 not really")
+    env = {**os.environ, "COSYEDGE_HOME": str(tmp_path / "home")}
+    for args in (["--model-dir", str(tiny_release)], ["--random-init", "cosyvoice2-0.5b", "--template", str(tiny_release)]):
+        result = subprocess.run([sys.executable, "-m", "device.cli", "quantize", *args, "--out", str(documents)],
+                                capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+        assert sorted(p.name for p in documents.iterdir()) == ["photo.jpg"]
