@@ -22,17 +22,17 @@ from typing import Any, Callable
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from api.batcher import BatchQueue, SynthesisError
-from api.config import OPENAI_MODELS, OPENAI_VOICES, ConfigError, ServiceConfig
-from api.errors import ApiError, NotReady
-from api.metrics import Metrics
-from api.openapi import spec
-from api.ratelimit import RateLimiter
-from api.streaming import audio_stream
-from device.audio import FORMATS, MIME, encode, to_segment
-from device.engine import Engine
-from device.errors import InputError, UnknownVoiceError
-from device.pipeline import SPEED_RANGE, Request, Unit
+from cosyedge.api.batcher import BatchQueue, SynthesisError
+from cosyedge.api.config import OPENAI_MODELS, OPENAI_VOICES, ConfigError, ServiceConfig
+from cosyedge.api.errors import ApiError, NotReady
+from cosyedge.api.metrics import Metrics
+from cosyedge.api.openapi import spec
+from cosyedge.api.ratelimit import RateLimiter
+from cosyedge.api.streaming import audio_stream
+from cosyedge.device.audio import FORMATS, MIME, encode, to_segment
+from cosyedge.device.engine import Engine
+from cosyedge.device.errors import InputError, UnknownVoiceError
+from cosyedge.device.pipeline import SPEED_RANGE, Request, Unit
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Service:
     def dead_letter_path(self) -> Path:
         if self.config.state_dir:
             return Path(self.config.state_dir) / DEAD_LETTER
-        from device.default_voice import state_dir
+        from cosyedge.device.default_voice import state_dir
         return state_dir() / DEAD_LETTER
 
 
@@ -227,7 +227,7 @@ MAX_VOICE_UPLOAD = 16 << 20  # bytes: 30 s of 48 kHz stereo 16-bit WAV is 11 MB
 
 # -- the application -------------------------------------------------------------------------------
 def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
-    app = Flask("cosyedge", static_folder=None)
+    app = Flask(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = max(1 << 20, config.max_batch_items * config.max_text_len * 4 + (64 << 10))
     service = Service(config)
     app.extensions["cosyedge"] = service

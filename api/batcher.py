@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from api.errors import DeadlineExceeded, QueueFull, ShuttingDown
-from api.metrics import BATCH_BUCKETS, Metrics
-from device.engine import Engine
-from device.pipeline import Request, Unit
+from cosyedge.api.errors import DeadlineExceeded, QueueFull, ShuttingDown
+from cosyedge.api.metrics import BATCH_BUCKETS, Metrics
+from cosyedge.device.engine import Engine
+from cosyedge.device.pipeline import Request, Unit
 
 log = logging.getLogger(__name__)
 

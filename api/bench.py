@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import Iterator
 from urllib.parse import urlsplit
 
-from device.bench import SENTENCES
+from cosyedge.device.bench import SENTENCES
 
 
 def _post(host: str, port: int, body: dict) -> tuple[float, float, float]:
@@ -52,10 +52,10 @@ def _metric(host: str, port: int, name: str) -> float:
 
 @contextmanager
 def _local_service(bundle: str | None) -> Iterator[str]:
-    from api.app import create_app
-    from api.config import load_config
-    from api.server import make_server
-    from device.engine import BatchOptions, Engine
+    from cosyedge.api.app import create_app
+    from cosyedge.api.config import load_config
+    from cosyedge.api.server import make_server
+    from cosyedge.device.engine import BatchOptions, Engine
 
     config = load_config(port=0)
     engine = Engine.load(bundle, precision=config.precision,

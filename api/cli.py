@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from api.config import load_config
-    from api.server import serve
+    from cosyedge.api.config import load_config
+    from cosyedge.api.server import serve
     logging.getLogger().setLevel(logging.INFO)  # a service logs its lifecycle (to the journal under systemd)
     config = load_config(args.config, host=args.host, port=args.port, bundle=args.bundle, precision=args.precision,
                          instance=args.instance)
@@ -17,7 +17,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_api(args: argparse.Namespace) -> int:
-    from api.bench import format_report, run_api_bench
+    from cosyedge.api.bench import format_report, run_api_bench
     report = run_api_bench(url=args.url, bundle=args.bundle, clients=args.clients, requests_per_client=args.requests,
                            single_rounds=args.rounds)
     print(format_report(report))

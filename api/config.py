@@ -12,7 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from device.errors import InputError
+from cosyedge.device.errors import InputError
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")

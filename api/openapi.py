@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.config import OPENAI_MODELS, OPENAI_VOICES, ServiceConfig
-from device.audio import FORMATS
-from device.pipeline import SPEED_RANGE
+from cosyedge.api.config import OPENAI_MODELS, OPENAI_VOICES, ServiceConfig
+from cosyedge.device.audio import FORMATS
+from cosyedge.device.pipeline import SPEED_RANGE
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 

@@ -14,10 +14,10 @@ import sys
 import threading
 from typing import Any
 
-from api.app import create_app
-from api.config import ServiceConfig
-from api.sdnotify import notify, watchdog_interval
-from device.errors import InputError
+from cosyedge.api.app import create_app
+from cosyedge.api.config import ServiceConfig
+from cosyedge.api.sdnotify import notify, watchdog_interval
+from cosyedge.device.errors import InputError
 
 log = logging.getLogger("cosyedge.serve")
 DRAIN_SECONDS = 10.0  # below the units' TimeoutStopSec=20
@@ -35,7 +35,7 @@ def make_server(app: Any, host: str, port: int, threads: int):
 
 
 def serve(config: ServiceConfig) -> int:
-    from device.engine import BatchOptions, Engine
+    from cosyedge.device.engine import BatchOptions, Engine
 
     app = create_app(config)
     service = app.extensions["cosyedge"]

@@ -18,11 +18,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from api.batcher import BatchQueue, SynthesisError
-from api.errors import DeadlineExceeded
-from api.metrics import Metrics
-from device.audio import streaming_wav_header, to_pcm16
-from device.pipeline import Request, Unit
+from cosyedge.api.batcher import BatchQueue, SynthesisError
+from cosyedge.api.errors import DeadlineExceeded
+from cosyedge.api.metrics import Metrics
+from cosyedge.device.audio import streaming_wav_header, to_pcm16
+from cosyedge.device.pipeline import Request, Unit
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 from pydub import AudioSegment
 
-from device.errors import InputError
+from cosyedge.device.errors import InputError
 
 FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm")
 MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "opus": "audio/ogg",

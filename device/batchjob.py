@@ -16,9 +16,9 @@ from pathlib import Path
 
 import soundfile as sf
 
-from device.audio import check_format, check_sample_rate, encode
-from device.engine import Engine
-from device.errors import CosyedgeError, InputError
+from cosyedge.device.audio import check_format, check_sample_rate, encode
+from cosyedge.device.engine import Engine
+from cosyedge.device.errors import CosyedgeError, InputError
 
 DEAD_LETTER = "dead_letter.jsonl"
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from device.engine import Engine
-from device.sessions import SessionConfig
+from cosyedge.device.engine import Engine
+from cosyedge.device.sessions import SessionConfig
 
 SENTENCES = (
     "Good morning, and welcome to the station.",
@@ -97,8 +97,8 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
     LLM prefill over `prompt` positions, `tokens` decode steps with a growing cache, the flow encoder
     and `n_timesteps` CFG estimator calls over 2 * tokens mel frames, and both HiFT graphs.
     """
-    from device.bundle import Bundle
-    from device.sessions import create_session
+    from cosyedge.device.bundle import Bundle
+    from cosyedge.device.sessions import create_session
 
     bundle = Bundle.load(bundle_path, precision=precision)
     cfg = bundle.manifest.config

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from device.errors import CosyedgeError, InputError
+from cosyedge.device.errors import CosyedgeError, InputError
 
 # Alternating Chinese / English; each is one frontend segment (one unit) so a pinned run is N tokens per request.
 TEXTS = (
@@ -227,9 +227,9 @@ class DeviceBackend(Backend):
     """The runtime engine on one precision, its ORT sessions wrapped in stage timers."""
 
     def __init__(self, bundle: Path, precision: str, threads: int) -> None:
-        import device.cosyvoice2.pipeline as cv2_pipeline
-        from device.engine import Engine
-        from device.sessions import SessionConfig
+        import cosyedge.device.cosyvoice2.pipeline as cv2_pipeline
+        from cosyedge.device.engine import Engine
+        from cosyedge.device.sessions import SessionConfig
 
         self.clock = StageClock()
         create = cv2_pipeline.create_session
@@ -380,7 +380,7 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     """The report `{"machine": ..., "runs": [...]}`; the reference (PyTorch, fp32, same release) runs at
     concurrency 1 only, interleaved batch by batch with the device precisions. `progress` gets a line per batch."""
     say = progress or (lambda line: None)
-    from device.bundle import Bundle
+    from cosyedge.device.bundle import Bundle
     manifest = Bundle.load(bundle, verify=False).manifest
     if manifest.family != "cosyvoice2":
         raise InputError(f"bundle {Path(bundle).name!r} is a {manifest.family} bundle, not cosyvoice2")
@@ -395,11 +395,11 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
         raise InputError("texts, concurrency >= 1, rounds >= 1 and sampling greedy|default are required")
     settings = Settings(tokens, sampling)
     python = sys.executable
-    workers = {f"device-{p}": Worker(f"device-{p}", [python, "-m", "device.bench_cosyvoice", "--worker",
+    workers = {f"device-{p}": Worker(f"device-{p}", [python, "-m", "cosyedge.device.bench_cosyvoice", "--worker",
                                                      str(bundle), "--precision", p, "--threads", str(threads)])
                for p in chosen}
     if reference is not None:
-        workers["reference"] = Worker("reference", [python, "-m", "quantize.cosyvoice2.reference", "--worker",
+        workers["reference"] = Worker("reference", [python, "-m", "cosyedge.quantize.cosyvoice2.reference", "--worker",
                                                     str(reference), "--threads", str(threads)])
     runs = []
     turn = 0  # ABBA over every batch of the whole bench, so single-batch configurations alternate too
@@ -557,7 +557,7 @@ def write_chart(report: dict[str, Any], path: Path) -> Path:
 # ------------------------------------------------------------------------------------------ worker entry
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m device.bench_cosyvoice", description="bench worker (internal)")
+    parser = argparse.ArgumentParser(prog="python -m cosyedge.device.bench_cosyvoice", description="bench worker (internal)")
     parser.add_argument("--worker", required=True, metavar="BUNDLE")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--threads", type=int, default=2)

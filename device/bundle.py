@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from device.errors import BundleError
+from cosyedge.device.errors import BundleError
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

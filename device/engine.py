@@ -10,12 +10,12 @@ from typing import Iterator, Sequence
 import numpy as np
 from pydub import AudioSegment
 
-from device import text as textmod
-from device.audio import to_segment
-from device.bundle import Bundle
-from device.errors import BundleError, CosyedgeError, InputError, UnknownVoiceError
-from device.pipeline import SPEED_RANGE, Pipeline, Request, Unit
-from device.sessions import SessionConfig
+from cosyedge.device import text as textmod
+from cosyedge.device.audio import to_segment
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.errors import BundleError, CosyedgeError, InputError, UnknownVoiceError
+from cosyedge.device.pipeline import SPEED_RANGE, Pipeline, Request, Unit
+from cosyedge.device.sessions import SessionConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +35,10 @@ class BatchOptions:
 def _load_pipeline(bundle: Bundle, precision: str, sessions: SessionConfig) -> Pipeline:
     family = bundle.manifest.family
     if family == "vits":
-        from device.vits import VitsPipeline
+        from cosyedge.device.vits import VitsPipeline
         return VitsPipeline(bundle, precision, sessions)
     if family == "cosyvoice2":
-        from device.cosyvoice2.pipeline import CosyVoice2Pipeline
+        from cosyedge.device.cosyvoice2.pipeline import CosyVoice2Pipeline
         return CosyVoice2Pipeline(bundle, precision, sessions)
     raise BundleError(f"bundle {bundle.root.name!r}: family {family!r} is not supported by this runtime yet")
 
@@ -76,7 +76,7 @@ class Engine:
         With no `bundle_path`, the embedded default voice is used (built offline on first use).
         """
         if bundle_path is None:
-            from device.default_voice import default_bundle
+            from cosyedge.device.default_voice import default_bundle
             bundle_path = default_bundle()
         sessions = sessions or SessionConfig.from_env()
         manifest_only = Bundle.load(bundle_path, verify=False)
@@ -91,8 +91,8 @@ class Engine:
 
     # -- voices registered at run time ----------------------------------------------------------
     def _voice_store(self):
-        from device.default_voice import state_dir
-        from device.voice_store import VoiceStore
+        from cosyedge.device.default_voice import state_dir
+        from cosyedge.device.voice_store import VoiceStore
         return VoiceStore.for_bundle(self.bundle, self.state_dir or state_dir())
 
     def _load_registered_voices(self) -> None:
@@ -110,7 +110,7 @@ class Engine:
 
         Its tokens, mel and embedding are computed once, stored in the state directory and kept across restarts.
         """
-        from device.voice_store import check_voice_name, read_prompt_audio
+        from cosyedge.device.voice_store import check_voice_name, read_prompt_audio
         make = getattr(self.pipeline, "make_voice", None)
         if make is None:
             raise InputError(f"{self.bundle.manifest.family} bundles have fixed voices; registering a voice needs a "
@@ -134,7 +134,7 @@ class Engine:
                 for index, name in enumerate(self.voices())]
 
     def remove_voice(self, name: str) -> None:
-        from device.voice_store import check_voice_name
+        from cosyedge.device.voice_store import check_voice_name
         check_voice_name(name)
         remove = getattr(self.pipeline, "remove_voice", None)
         if remove is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from device.errors import ProviderError
+from cosyedge.device.errors import ProviderError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from device.errors import InputError
+from cosyedge.device.errors import InputError
 
 _KEEP_CATEGORIES = ("L", "N", "P", "Zs", "M")  # letters, numbers, punctuation, spaces, combining marks
 _KEEP_SYMBOLS = set("$%&+=@#€£¥°/\\<>")

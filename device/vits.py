@@ -12,10 +12,10 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from device.bundle import Bundle
-from device.errors import InputError
-from device.pipeline import Request, Unit
-from device.sessions import SessionConfig, create_session
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.errors import InputError
+from cosyedge.device.pipeline import Request, Unit
+from cosyedge.device.sessions import SessionConfig, create_session
 
 
 class VitsPipeline:

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from device.bundle import Bundle
-from device.errors import InputError
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.errors import InputError
 
 VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 MIN_PROMPT_SECONDS, MAX_PROMPT_SECONDS = 1.0, 30.0

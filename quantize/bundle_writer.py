@@ -17,8 +17,8 @@ from pathlib import Path
 
 import onnx
 
-from device.bundle import MANIFEST, Asset, Component, Manifest, TensorSpec, sha256_file
-from device.errors import BundleError
+from cosyedge.device.bundle import MANIFEST, Asset, Component, Manifest, TensorSpec, sha256_file
+from cosyedge.device.errors import BundleError
 
 TOOL_VERSION = "cosyedge-quantize 0.1.0"
 TOOL_NAME = TOOL_VERSION.split()[0]

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from device.bundle import sha256_file
-from device.errors import ReleaseError
-from quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
+from cosyedge.device.bundle import sha256_file
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,9 @@ def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: 
 
 def _measure(root: Path) -> dict:
     """Quality of int8 against fp32 on fixed sentences, and which precision is faster here."""
-    from device.engine import Engine
-    from device.sessions import SessionConfig
-    from quantize.quality import SpeakerSimilarity, mel_cepstral_distortion, snr_db
+    from cosyedge.device.engine import Engine
+    from cosyedge.device.sessions import SessionConfig
+    from cosyedge.quantize.quality import SpeakerSimilarity, mel_cepstral_distortion, snr_db
 
     sessions = SessionConfig(providers=("cpu",))
     engines = {p: Engine.load(root, precision=p, sessions=sessions) for p in ("fp32", "int8")}

@@ -29,14 +29,14 @@ def cosyedge_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_bundle_path(cosyedge_home: Path) -> Path:
     """The embedded default voice, built the way a fresh box builds it on first use."""
-    from device.default_voice import default_bundle
+    from cosyedge.device.default_voice import default_bundle
     return default_bundle()
 
 
 @pytest.fixture(scope="session")
 def default_engine(default_bundle_path: Path):
-    from device.engine import Engine
-    from device.sessions import SessionConfig
+    from cosyedge.device.engine import Engine
+    from cosyedge.device.sessions import SessionConfig
     return Engine.load(default_bundle_path, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
 
 
@@ -45,7 +45,7 @@ def cv2_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     """The tiny official-layout CosyVoice2 release as an fp32 bundle, built once per test run."""
     import torch
 
-    from quantize.cosyvoice2.bundle import write_bundle
+    from cosyedge.quantize.cosyvoice2.bundle import write_bundle
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -71,5 +71,5 @@ def torch_blocked_env(tmp_path: Path) -> dict[str, str]:
     site = tmp_path / "no_torch_site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_BLOCK_TORCH)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
             "COSYEDGE_THREADS": "1", "OMP_NUM_THREADS": "1"}

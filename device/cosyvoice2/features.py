@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 import onnxruntime as ort
 
-from device.errors import InputError
+from cosyedge.device.errors import InputError
 
 SPEAKER_SAMPLE_RATE = 16000      # CAM++ and the speech tokenizer both take 16 kHz audio
 MAX_PROMPT_SECONDS = 30.0        # the speech tokenizer's limit (an assertion in the official frontend)

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from device.errors import InputError
+from cosyedge.device.errors import InputError
 
 
 @dataclass(frozen=True)

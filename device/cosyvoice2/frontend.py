@@ -13,7 +13,7 @@ from typing import Callable
 
 from tokenizers import Tokenizer
 
-from device.errors import BundleError, InputError
+from cosyedge.device.errors import BundleError, InputError
 
 # Official split settings (`split_paragraph` arguments in `text_normalize`).
 TOKEN_MAX_N = 80

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
+from cosyedge.device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
 
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 

@@ -22,20 +22,20 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from device import text as textmod
-from device.bundle import Bundle
-from device.cosyvoice2.features import FlowMelConfig, extract_prompt
-from device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretch_mel
-from device.cosyvoice2.frontend import TextFrontend
-from device.cosyvoice2.llm import DecodeConfig, SpeechLM
-from device.cosyvoice2.scheduler import DecodeScheduler
-from device.cosyvoice2.streaming import stream_tokens
-from device.cosyvoice2.vocoder import StreamConfig, Vocoder
-from device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
-from device.errors import BundleError, InputError, UnknownVoiceError
-from device.pipeline import Request, Unit
-from device.sessions import SessionConfig, create_session
-from device.voice_store import check_voice_name
+from cosyedge.device import text as textmod
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.cosyvoice2.features import FlowMelConfig, extract_prompt
+from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretch_mel
+from cosyedge.device.cosyvoice2.frontend import TextFrontend
+from cosyedge.device.cosyvoice2.llm import DecodeConfig, SpeechLM
+from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
+from cosyedge.device.cosyvoice2.streaming import stream_tokens
+from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
+from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
+from cosyedge.device.errors import BundleError, InputError, UnknownVoiceError
+from cosyedge.device.pipeline import Request, Unit
+from cosyedge.device.sessions import SessionConfig, create_session
+from cosyedge.device.voice_store import check_voice_name
 
 MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
 DECODE_ROWS = 16  # rows one decode step may hold (requests beyond wait for a row to stop)

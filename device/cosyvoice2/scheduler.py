@@ -31,8 +31,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from device.cosyvoice2.llm import KVCache, SpeechLM
-from device.cosyvoice2.sampling import choose_token
+from cosyedge.device.cosyvoice2.llm import KVCache, SpeechLM
+from cosyedge.device.cosyvoice2.sampling import choose_token
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from device.cosyvoice2.flow import Flow, FlowPrompt
-from device.cosyvoice2.vocoder import StreamConfig, Vocoder, VocoderStream
+from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
+from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder, VocoderStream
 
 
 class ChunkSchedule:

@@ -21,8 +21,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from device.cosyvoice2.flow import FlowPrompt
-from device.errors import BundleError, InputError
+from cosyedge.device.cosyvoice2.flow import FlowPrompt
+from cosyedge.device.errors import BundleError, InputError
 
 MODES = ("zero_shot", "sft", "cross_lingual", "instruct2")
 END_OF_PROMPT = "<|endofprompt|>"

@@ -14,16 +14,16 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from device.bundle import Bundle, sha256_file
-from device.errors import ReleaseError
-from quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
-from quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
-from quantize.cosyvoice2.hift import build_hift, export_hift
-from quantize.cosyvoice2.gates import GateConfig
-from quantize.cosyvoice2.llm import LLMConfig, build_llm, embedding_tables, export_llm
-from quantize.cosyvoice2.precision import build_targets
-from quantize.cosyvoice2.release import YAML_NAME, Release
-from quantize.cosyvoice2.tokenizer import write_tokenizer_json
+from cosyedge.device.bundle import Bundle, sha256_file
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
+from cosyedge.quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
+from cosyedge.quantize.cosyvoice2.hift import build_hift, export_hift
+from cosyedge.quantize.cosyvoice2.gates import GateConfig
+from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm, embedding_tables, export_llm
+from cosyedge.quantize.cosyvoice2.precision import build_targets
+from cosyedge.quantize.cosyvoice2.release import YAML_NAME, Release
+from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
 
 log = logging.getLogger(__name__)
 

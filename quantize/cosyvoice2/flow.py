@@ -70,8 +70,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from device.errors import ReleaseError
-from quantize.cosyvoice2.release import Release, check_state
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.release import Release, check_state
 
 CHECKPOINT_NAME = "flow.pt"
 FLOW_TARGET = "cosyvoice.flow.flow.CausalMaskedDiffWithXvec"

@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from device.errors import ReleaseError
-from quantize.cosyvoice2.release import Node, Release, check_state
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.release import Node, Release, check_state
 
 HIFT_TARGET = "cosyvoice.hifigan.generator.HiFTGenerator"
 F0_TARGET = "cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor"

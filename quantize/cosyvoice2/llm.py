@@ -51,8 +51,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from device.errors import ReleaseError
-from quantize.cosyvoice2.release import Release, check_state
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.release import Release, check_state
 
 CHECKPOINT_NAME = "llm.pt"
 QWEN2LM_TARGET = "cosyvoice.llm.llm.Qwen2LM"

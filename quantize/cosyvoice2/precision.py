@@ -409,8 +409,8 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     `allow_fallback` the lower-precision of flow / HiFT (the flow on a tie) moves up one rung until it does.
     Graphs of rejected attempts are deleted from `work`.
     """
-    from device.errors import ReleaseError
-    from quantize.cosyvoice2.gates import Gates
+    from cosyedge.device.errors import ReleaseError
+    from cosyedge.quantize.cosyvoice2.gates import Gates
 
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:

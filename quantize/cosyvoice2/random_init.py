@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from device.errors import ReleaseError
-from quantize.cosyvoice2.flow import build_flow_random
-from quantize.cosyvoice2.hift import build_hift_random
-from quantize.cosyvoice2.llm import build_llm_random
-from quantize.cosyvoice2.release import YAML_NAME, read_yaml
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.flow import build_flow_random
+from cosyedge.quantize.cosyvoice2.hift import build_hift_random
+from cosyedge.quantize.cosyvoice2.llm import build_llm_random
+from cosyedge.quantize.cosyvoice2.release import YAML_NAME, read_yaml
 
 PRESETS = {
     "cosyvoice2-0.5b": {

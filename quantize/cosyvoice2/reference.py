@@ -8,7 +8,7 @@ chunk schedule (flow re-run on all tokens so far, HiFT caches and cross-fade); t
 runtime's (`device.cosyvoice2.streaming`), the compute is torch. Only what is timed differs from the runtime, so
 the bench's ratios compare the engines, not the recipes.
 
-Worker process: `python -m quantize.cosyvoice2.reference --worker RELEASE_DIR --threads 2` speaks the bench
+Worker process: `python -m cosyedge.quantize.cosyvoice2.reference --worker RELEASE_DIR --threads 2` speaks the bench
 protocol of `device.bench_cosyvoice.serve` (torch lives only in this process).
 """
 from __future__ import annotations
@@ -23,21 +23,21 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from device.bench_cosyvoice import TEXTS, WARMUP_TOKENS, Backend, Settings, StageClock, serve
-from device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
-from device.cosyvoice2.flow import FlowPrompt
-from device.cosyvoice2.frontend import TextFrontend
-from device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
-from device.cosyvoice2.streaming import stream_tokens
-from device.cosyvoice2.vocoder import StreamConfig
-from device.cosyvoice2.voices import ModeInputs, Voice
-from device.errors import ReleaseError
-from quantize.cosyvoice2.bundle import STREAM, _sampling
-from quantize.cosyvoice2.flow import N_TIMESTEPS, CausalMaskedDiffWithXvec, build_flow, fixed_noise
-from quantize.cosyvoice2.hift import HiFTGenerator, build_hift
-from quantize.cosyvoice2.llm import Qwen2LM, build_llm
-from quantize.cosyvoice2.release import Release
-from quantize.cosyvoice2.tokenizer import write_tokenizer_json
+from cosyedge.device.bench_cosyvoice import TEXTS, WARMUP_TOKENS, Backend, Settings, StageClock, serve
+from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
+from cosyedge.device.cosyvoice2.flow import FlowPrompt
+from cosyedge.device.cosyvoice2.frontend import TextFrontend
+from cosyedge.device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
+from cosyedge.device.cosyvoice2.streaming import stream_tokens
+from cosyedge.device.cosyvoice2.vocoder import StreamConfig
+from cosyedge.device.cosyvoice2.voices import ModeInputs, Voice
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.bundle import STREAM, _sampling
+from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, CausalMaskedDiffWithXvec, build_flow, fixed_noise
+from cosyedge.quantize.cosyvoice2.hift import HiFTGenerator, build_hift
+from cosyedge.quantize.cosyvoice2.llm import Qwen2LM, build_llm
+from cosyedge.quantize.cosyvoice2.release import Release
+from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
 
 STAGE_GRAPHS = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
@@ -190,7 +190,7 @@ class ReferencePipeline(Backend):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m quantize.cosyvoice2.reference",
+    parser = argparse.ArgumentParser(prog="python -m cosyedge.quantize.cosyvoice2.reference",
                                      description="PyTorch reference bench worker (internal to cosyedge bench)")
     parser.add_argument("--worker", required=True, metavar="RELEASE_DIR")
     parser.add_argument("--threads", type=int, default=2)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import yaml
 
-from device.errors import ReleaseError
+from cosyedge.device.errors import ReleaseError
 
 YAML_NAME = "cosyvoice2.yaml"
 REQUIRED_FILES = (YAML_NAME, "llm.pt", "flow.pt", "hift.pt", "campplus.onnx",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from device.errors import ReleaseError
+from cosyedge.device.errors import ReleaseError
 
 # Qwen2's pre-tokenizer split (contractions, letter runs, single digits, punctuation runs, newlines, spaces).
 QWEN2_SPLIT_PATTERN = (

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from api.app import create_app
-from api.config import ServiceConfig
-from api.server import make_server
-from device.engine import Engine
-from device.pipeline import Unit
+from cosyedge.api.app import create_app
+from cosyedge.api.config import ServiceConfig
+from cosyedge.api.server import make_server
+from cosyedge.device.engine import Engine
+from cosyedge.device.pipeline import Unit
 
 FAIL_WORD = "kaboom"
 HOLD_WORD = "hold"

@@ -6,7 +6,7 @@ from typing import Iterator
 import pytest
 
 from apitools import FaultPipeline, Server, api_config, run_server
-from device.engine import Engine
+from cosyedge.device.engine import Engine
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.config import ConfigError, ServiceConfig, load_config
+from cosyedge.api.config import ConfigError, ServiceConfig, load_config
 
 
 def test_defaults_bind_localhost():

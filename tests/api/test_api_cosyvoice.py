@@ -9,8 +9,8 @@ import pytest
 import requests
 
 from apitools import api_config, run_server
-from device.engine import Engine
-from device.sessions import SessionConfig
+from cosyedge.device.engine import Engine
+from cosyedge.device.sessions import SessionConfig
 
 TRANSCRIPT = "希望你以后能够做的比我还好呦。"
 TEXT = "收到好友从远方寄来的生日礼物。"

@@ -5,7 +5,7 @@ import json
 import re
 import time
 
-from api.openapi import spec
+from cosyedge.api.openapi import spec
 
 
 def test_openapi_describes_every_route_and_only_those(server):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from api.sdnotify import notify, watchdog_interval
+from cosyedge.api.sdnotify import notify, watchdog_interval
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def _status(port: int, path: str) -> int | None:
 
 def _serve_command() -> list[str]:
     script = Path(sys.executable).parent / "cosyedge"
-    return [str(script), "serve"] if script.is_file() else [sys.executable, "-m", "device.cli", "serve"]
+    return [str(script), "serve"] if script.is_file() else [sys.executable, "-m", "cosyedge.device.cli", "serve"]
 
 
 def test_serve_sends_ready_after_warmup_then_watchdog(default_bundle_path, cosyedge_home, tmp_path):

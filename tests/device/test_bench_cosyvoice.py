@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from device.cli import main
+from cosyedge.device.cli import main
 
 RUN_KEYS = {"backend", "bundle", "precision", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
             "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "throughput_audio_s_per_s"}
@@ -109,7 +109,7 @@ def cv2_tiny_cpu_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """The tiny release with the `cpu` target (int8 LLM graphs; stages that miss their gate stay fp32)."""
     import torch
 
-    from quantize.cosyvoice2.bundle import write_bundle
+    from cosyedge.quantize.cosyvoice2.bundle import write_bundle
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

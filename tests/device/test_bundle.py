@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from device.bundle import MANIFEST, Bundle
-from device.engine import Engine
-from device.errors import BundleError
+from cosyedge.device.bundle import MANIFEST, Bundle
+from cosyedge.device.engine import Engine
+from cosyedge.device.errors import BundleError
 
 
 @pytest.fixture()
@@ -100,6 +100,6 @@ def test_unknown_precision_request(default_bundle_path):
 
 
 def test_int8_variant_runs(default_bundle_path):
-    from device.sessions import SessionConfig
+    from cosyedge.device.sessions import SessionConfig
     engine = Engine.load(default_bundle_path, precision="int8", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
     assert engine.synthesize("Testing the small graph.", deterministic=True).duration_seconds > 0.5

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 
-from device.batchjob import DEAD_LETTER
+from cosyedge.device.batchjob import DEAD_LETTER
 
 
 def cosyedge(*args: str, env_home: Path, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "COSYEDGE_HOME": str(env_home), "COSYEDGE_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "device.cli", *args], input=stdin, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cosyedge.device.cli", *args], input=stdin, capture_output=True, text=True,
                           env=env, timeout=timeout)
 
 
@@ -98,7 +98,7 @@ def test_synth_batch_resumes_after_kill_and_dead_letters_bad_lines(home, tmp_pat
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
     env = {**os.environ, "COSYEDGE_HOME": str(home), "COSYEDGE_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "device.cli", "synth-batch", str(source), "--out-dir", str(out)],
+    proc = subprocess.Popen([sys.executable, "-m", "cosyedge.device.cli", "synth-batch", str(source), "--out-dir", str(out)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and len(list(out.glob("*.wav"))) < 20 and proc.poll() is None:

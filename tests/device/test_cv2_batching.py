@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from device.engine import Engine
-from device.pipeline import Request
-from device.sessions import SessionConfig
+from cosyedge.device.engine import Engine
+from cosyedge.device.pipeline import Request
+from cosyedge.device.sessions import SessionConfig
 
 ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
 
@@ -173,7 +173,7 @@ def _full_sort_nucleus(probs: np.ndarray, top_p: float, top_k: int) -> tuple[np.
 def test_partial_sort_nucleus_equals_the_full_sort(seed: int) -> None:
     """Sampling runs once per row and step in the decode worker, so it sorts only the top_k head; ids and
     probabilities must be exactly those of the full stable sort, ties (coarse probabilities) included."""
-    from device.cosyvoice2.sampling import nucleus_candidates, softmax
+    from cosyedge.device.cosyvoice2.sampling import nucleus_candidates, softmax
     rng = np.random.default_rng(seed)
     rows = [softmax(rng.normal(0, scale, 6564)) for scale in (0.5, 3.0, 8.0)]
     rows += [np.round(rows[0] * 2000) / 2000, np.full(40, 1 / 40), softmax(np.repeat(rng.normal(0, 3, 50), 20))]

@@ -14,8 +14,8 @@ import onnxruntime as ort
 import pytest
 import soundfile as sf
 
-from device.cosyvoice2 import features as F
-from device.errors import InputError
+from cosyedge.device.cosyvoice2 import features as F
+from cosyedge.device.errors import InputError
 
 FLOW_MEL = F.FlowMelConfig(n_fft=1920, hop=480, win=1920, n_mels=80, fmin=0.0, fmax=8000.0, sample_rate=24000)
 
@@ -131,9 +131,9 @@ except ImportError:
     pass
 else:
     raise SystemExit("blocker not active")
-from device.cosyvoice2 import features as F
-from device.cosyvoice2.frontend import TextFrontend
-from quantize.cosyvoice2.tokenizer import write_tokenizer_json
+from cosyedge.device.cosyvoice2 import features as F
+from cosyedge.device.cosyvoice2.frontend import TextFrontend
+from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
 tiny, wav_path, tok_path = sys.argv[1:4]
 wav, sr = sf.read(wav_path, dtype="float32")
 sessions = [ort.InferenceSession(f"{tiny}/{n}", providers=["CPUExecutionProvider"])

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from device.cosyvoice2.frontend import TextFrontend
-from device.errors import InputError
-from quantize.cosyvoice2.tokenizer import write_tokenizer_json
+from cosyedge.device.cosyvoice2.frontend import TextFrontend
+from cosyedge.device.errors import InputError
+from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_official_errors_become_input_errors(frontend: TextFrontend, cases: list
 
 
 def test_other_official_failures_raise_input_error(frontend: TextFrontend):
-    from device.cosyvoice2.frontend import _number_to_words
+    from cosyedge.device.cosyvoice2.frontend import _number_to_words
 
     with pytest.raises(InputError):  # strips to "": the official code fails on it
         frontend.normalize("   ")
@@ -75,7 +75,7 @@ def test_other_official_failures_raise_input_error(frontend: TextFrontend):
 
 
 def test_number_spelling_matches_inflect_style():
-    from device.cosyvoice2.frontend import _number_to_words, _spell_out_numbers
+    from cosyedge.device.cosyvoice2.frontend import _number_to_words, _spell_out_numbers
 
     assert _number_to_words("0") == "zero"
     assert _number_to_words("007") == "seven"

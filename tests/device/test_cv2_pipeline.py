@@ -20,11 +20,11 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from device.cosyvoice2.streaming import stream_tokens
-from device.engine import Engine
-from device.errors import InputError
-from device.pipeline import Request
-from device.sessions import SessionConfig
+from cosyedge.device.cosyvoice2.streaming import stream_tokens
+from cosyedge.device.engine import Engine
+from cosyedge.device.errors import InputError
+from cosyedge.device.pipeline import Request
+from cosyedge.device.sessions import SessionConfig
 
 MEL_ATOL = 1e-4
 SNR_DB = 40.0
@@ -137,7 +137,7 @@ def test_cli_synth_writes_the_golden_waveform(cv2_bundle: Path, engine: Engine, 
     out = tmp_path / "out.wav"
     env = {**os.environ, "COSYEDGE_HOME": str(tmp_path / "home"), "COSYEDGE_THREADS": "1",
            "COSYEDGE_PROVIDERS": "cpu"}
-    result = subprocess.run([sys.executable, "-m", "device.cli", "synth", text, "--bundle", str(cv2_bundle),
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "synth", text, "--bundle", str(cv2_bundle),
                              "--voice", ZH_VOICE, "--sampling", "greedy", "--deterministic", "-o", str(out)],
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -352,7 +352,7 @@ def test_voice_from_prompt_audio_matches_the_release_entry(engine: Engine, vecto
     embedding 1e-3) and, registered, the zero_shot0 golden waveform; the voice file round-trips."""
     import soundfile
 
-    from device.cosyvoice2.voices import Voice
+    from cosyedge.device.cosyvoice2.voices import Voice
     pipeline = engine.pipeline
     wav, sr = soundfile.read(golden_dir / "audio" / "zero_shot_prompt.wav", dtype="float32")
     voice = pipeline.make_voice("my_voice", wav, sr, "希望你以后能够做的比我还好呦。")
@@ -386,7 +386,7 @@ def test_pipeline_runs_without_torch(cv2_bundle: Path, vectors: dict, golden_dir
     out = tmp_path / "speech.npy"
     code = (
         "import sys, numpy as np\n"
-        "from device.engine import Engine\n"
+        "from cosyedge.device.engine import Engine\n"
         "from device.sessions import SessionConfig\n"
         f"e = Engine.load({str(cv2_bundle)!r}, precision='fp32', sessions=SessionConfig(providers=('cpu',), "
         "intra_op_threads=1))\n"

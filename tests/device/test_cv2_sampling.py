@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from device.cosyvoice2.sampling import (SamplingConfig, choose_token, draw, nucleus_candidates, ras_sample,
+from cosyedge.device.cosyvoice2.sampling import (SamplingConfig, choose_token, draw, nucleus_candidates, ras_sample,
                                         softmax)
 
 CONFIG = SamplingConfig(top_p=0.8, top_k=25, win_size=10, tau_r=0.1)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from device.engine import Engine
-from device.errors import InputError
-from device.sessions import SessionConfig
+from cosyedge.device.engine import Engine
+from cosyedge.device.errors import InputError
+from cosyedge.device.sessions import SessionConfig
 
 TRANSCRIPT = "希望你以后能够做的比我还好呦。"
 TEXT = "收到好友从远方寄来的生日礼物。"
@@ -101,7 +101,7 @@ def test_cli_voices_add_list_and_synth(cv2_tiny_bundle, golden_dir, tmp_path):
     env = {**os.environ, "COSYEDGE_HOME": str(tmp_path / "state")}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "device.cli", *args], capture_output=True, text=True, env=env,
+        return subprocess.run([sys.executable, "-m", "cosyedge.device.cli", *args], capture_output=True, text=True, env=env,
                               timeout=300)
 
     added = cli("voices", "add", "cli_voice", "--wav", str(golden_dir / "audio" / "zero_shot_prompt.wav"),

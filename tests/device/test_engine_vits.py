@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from device.engine import BatchOptions
-from device.errors import InputError, UnknownVoiceError
+from cosyedge.device.engine import BatchOptions
+from cosyedge.device.errors import InputError, UnknownVoiceError
 
 SHORT = "Hello there."
 LONG = "Hello there. This sentence is quite a lot longer than the first one, and it keeps going for a while."

@@ -17,8 +17,9 @@ def test_blocker_really_blocks(torch_blocked_env, default_bundle_path):
 
 def test_runtime_and_api_work_without_torch(torch_blocked_env, default_bundle_path):
     code = (
-        "import device, device.engine, device.cli, device.bench, device.batchjob, api\n"
-        "from device.engine import Engine\n"
+        "import cosyedge.device.engine, cosyedge.device.cli, cosyedge.device.bench, cosyedge.device.batchjob\n"
+        "import cosyedge.api.app, cosyedge.api.server, cosyedge.api.batcher\n"
+        "from cosyedge.device.engine import Engine\n"
         "e = Engine.load()\n"
         "assert e.synthesize('No torch here.', deterministic=True).duration_seconds > 0.5\n"
         "import sys; assert 'torch' not in sys.modules\n"
@@ -33,8 +34,8 @@ def test_first_use_build_of_default_voice_without_torch(torch_blocked_env, tmp_p
     """A fresh box builds the default bundle with no torch (quality measured without the speaker encoder)."""
     home = tmp_path / "fresh"
     code = (
-        "from device.default_voice import default_bundle\n"
-        "from device.bundle import Bundle\n"
+        "from cosyedge.device.default_voice import default_bundle\n"
+        "from cosyedge.device.bundle import Bundle\n"
         "m = Bundle.load(default_bundle()).manifest\n"
         "assert 'resemblyzer unavailable' in m.quality['speaker_similarity'], m.quality['speaker_similarity']\n"
         "print('ok', m.default_precision)\n"

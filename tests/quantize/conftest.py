@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantize.cosyvoice2.release import Release
+from cosyedge.quantize.cosyvoice2.release import Release
 
 
 @pytest.fixture(scope="module", autouse=True)

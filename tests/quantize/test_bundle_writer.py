@@ -11,9 +11,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from device.bundle import Bundle
-from device.errors import BundleError
-from quantize.bundle_writer import BundleWriter
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.errors import BundleError
+from cosyedge.quantize.bundle_writer import BundleWriter
 
 
 def _write_bundle(out: Path, tag: str) -> Path:
@@ -99,7 +99,7 @@ def test_cli_quantize_refuses_a_user_folder_before_any_work(golden_dir, tmp_path
     (documents / "photo.jpg").write_bytes(b"\xff\xd8 not really")
     env = {**os.environ, "COSYEDGE_HOME": str(tmp_path / "home")}
     for args in (["--model-dir", str(tiny_release)], ["--random-init", "cosyvoice2-0.5b", "--template", str(tiny_release)]):
-        result = subprocess.run([sys.executable, "-m", "device.cli", "quantize", *args, "--out", str(documents)],
+        result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "quantize", *args, "--out", str(documents)],
                                 capture_output=True, text=True, env=env, timeout=300)
         assert result.returncode == 2, result.stderr[-2000:]
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

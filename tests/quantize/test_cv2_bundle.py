@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from device.bundle import Bundle
-from device.errors import ReleaseError
-from quantize.cosyvoice2.bundle import write_bundle
-from quantize.cosyvoice2.random_init import _sized_yaml, PRESETS
-from quantize.cosyvoice2.release import read_yaml
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.bundle import write_bundle
+from cosyedge.quantize.cosyvoice2.random_init import _sized_yaml, PRESETS
+from cosyedge.quantize.cosyvoice2.release import read_yaml
 
 GRAPHS = {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder", "campplus",
           "speech_tokenizer"}
@@ -37,7 +37,7 @@ def release_copy(tiny_release: Path, tmp_path: Path) -> Path:
 def test_cli_builds_a_valid_bundle(tiny_release, tmp_path):
     out = tmp_path / "bundle"
     env = {**os.environ, "COSYEDGE_HOME": str(tmp_path / "home")}
-    result = subprocess.run([sys.executable, "-m", "device.cli", "quantize", "--model-dir", str(tiny_release),
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "quantize", "--model-dir", str(tiny_release),
                              "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     bundle = Bundle.load(out)  # hashes every file
@@ -95,7 +95,7 @@ def test_wrong_shape_is_named(release_copy, tmp_path):
 
 def test_cli_reports_a_broken_release_in_one_line(release_copy, tmp_path):
     (release_copy / "cosyvoice2.yaml").write_text("llm: [unclosed")
-    result = subprocess.run([sys.executable, "-m", "device.cli", "quantize", "--model-dir", str(release_copy),
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "quantize", "--model-dir", str(release_copy),
                              "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     assert "cosyvoice2.yaml: not a readable yaml file" in result.stderr and "Traceback" not in result.stderr
@@ -113,7 +113,7 @@ def test_full_size_preset_yaml_has_the_real_sizes(tiny_release, tmp_path):
 
 
 def test_bench_graphs_reports_every_stage(tiny_release, tmp_path):
-    from device.bench import run_graph_bench
+    from cosyedge.device.bench import run_graph_bench
     report = run_graph_bench(write_bundle(tiny_release, tmp_path / "b"), tokens=12, prompt=9, threads=1, repeats=1)
     assert set(report["graph_ms"]) == {"llm_prefill", "llm_decode_per_token", "flow_encoder", "flow_estimator_call",
                                        "hift_source", "hift_decoder"}
@@ -123,7 +123,7 @@ def test_bench_graphs_reports_every_stage(tiny_release, tmp_path):
 
 def test_legacy_weight_norm_keys_load_the_same(release_copy):
     """Releases saved by older torch use weight_g / weight_v; both styles give the same HiFT weights."""
-    from quantize.cosyvoice2.release import Release
+    from cosyedge.quantize.cosyvoice2.release import Release
     new_style = Release.open(release_copy).checkpoint("hift.pt")
     state = torch.load(release_copy / "hift.pt", weights_only=True)
     legacy = {}

@@ -17,11 +17,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from device.errors import ReleaseError
-from quantize.cosyvoice2.flow import (ENCODER_NAME, ESTIMATOR_NAME, CausalMaskedDiffWithXvec, build_flow,
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.flow import (ENCODER_NAME, ESTIMATOR_NAME, CausalMaskedDiffWithXvec, build_flow,
                                       build_flow_random, export_flow, fixed_noise, load_flow_state,
                                       prompt_condition)
-from quantize.cosyvoice2.release import Release
+from cosyedge.quantize.cosyvoice2.release import Release
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
 VECTORS = GOLDEN / "cosyvoice2-tiny" / "vectors"

@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from device.errors import ReleaseError
-from quantize.cosyvoice2.hift import (HiFTConfig, HiFTGenerator, build_hift, build_hift_random, export_hift,
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.hift import (HiFTConfig, HiFTGenerator, build_hift, build_hift_random, export_hift,
                                       load_hift_state)
-from quantize.cosyvoice2.release import Node, Release
+from cosyedge.quantize.cosyvoice2.release import Node, Release
 
 F0_ATOL = 1e-3
 SOURCE_ATOL = 5e-3

@@ -13,10 +13,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from device.errors import ReleaseError
-from quantize.cosyvoice2.llm import (LLMConfig, Qwen2LM, build_llm, build_llm_random, embedding_tables,
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.llm import (LLMConfig, Qwen2LM, build_llm, build_llm_random, embedding_tables,
                                      export_llm, greedy_choice, load_llm_state)
-from quantize.cosyvoice2.release import Release
+from cosyedge.quantize.cosyvoice2.release import Release
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"
 RELEASE_DIR = GOLDEN / "cosyvoice2-tiny"

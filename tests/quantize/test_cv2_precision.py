@@ -17,10 +17,10 @@ import numpy as np
 import onnx
 import pytest
 
-from device.bundle import Bundle
-from device.errors import ReleaseError
-from quantize.cosyvoice2 import precision
-from quantize.cosyvoice2.gates import THRESHOLDS, GateConfig, Gates, session
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2 import precision
+from cosyedge.quantize.cosyvoice2.gates import THRESHOLDS, GateConfig, Gates, session
 
 GRAPHS = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
@@ -28,7 +28,7 @@ GRAPHS = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_s
 @pytest.fixture(scope="module")
 def bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Bundle:
     out = tmp_path_factory.mktemp("targets") / "bundle"
-    result = subprocess.run([sys.executable, "-m", "device.cli", "quantize", "--model-dir",
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "quantize", "--model-dir",
                              str(golden_dir / "cosyvoice2-tiny"), "--out", str(out), "--target", "cpu,gpu-fp16",
                              "--target", "trt-int8", "--allow-fallback"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -242,7 +242,7 @@ def test_allow_fallback_keeps_a_broken_stage_at_fp32(fp32, gate_config, tmp_path
 
 
 def test_cli_rejects_an_unknown_target(golden_dir, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "device.cli", "quantize", "--model-dir",
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "quantize", "--model-dir",
                              str(golden_dir / "cosyvoice2-tiny"), "--out", str(tmp_path / "b"), "--target", "npu"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "unknown --target 'npu'" in result.stderr
@@ -251,8 +251,8 @@ def test_cli_rejects_an_unknown_target(golden_dir, tmp_path):
 
 def test_device_runtime_runs_every_target_and_auto_picks_cpu(bundle):
     """The runtime loads a target's gated graphs by name; on this CPU-only box `auto` means the cpu target."""
-    from device.engine import Engine
-    from device.sessions import SessionConfig
+    from cosyedge.device.engine import Engine
+    from cosyedge.device.sessions import SessionConfig
     sessions = SessionConfig(providers=("cpu",), intra_op_threads=1)
     auto = Engine.load(bundle.root, sessions=sessions, warmup=False)
     assert auto.precision == "cpu"
