@@ -22,17 +22,17 @@ from typing import Any, Callable
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from cosyedge.api.batcher import BatchQueue, SynthesisError
+from cosyedge.api.batcher import SynthesisQueue, SynthesisError
 from cosyedge.api.config import OPENAI_MODELS, OPENAI_VOICES, ConfigError, ServiceConfig
 from cosyedge.api.errors import ApiError, NotReady
 from cosyedge.api.metrics import Metrics
 from cosyedge.api.openapi import spec
 from cosyedge.api.ratelimit import RateLimiter
 from cosyedge.api.streaming import audio_stream
-from cosyedge.device.audio import FORMATS, MIME, encode, to_segment
+from cosyedge.device.audio import FORMATS, MIME, encode, to_audio_segment
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import InputError, UnknownVoiceError
-from cosyedge.device.pipeline import SPEED_RANGE, Request, Unit
+from cosyedge.device.pipeline import SPEED_RANGE, SynthesisOptions, Segment
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Service:
         self.config = config
         self.metrics = Metrics()
         self.engine: Engine | None = None
-        self.batcher: BatchQueue | None = None
+        self.batcher: SynthesisQueue | None = None
         self.aliases: dict[str, str] = {}
         self.ready = threading.Event()
         self.limiter = RateLimiter(config.rate_limit_per_s, config.rate_limit_burst) if config.rate_limit_per_s else None
@@ -73,13 +73,13 @@ class Service:
             for gauge, key in (("cosyedge_decode_steps", "decode_steps"), ("cosyedge_decode_rows_mean", "mean_rows"),
                                ("cosyedge_decode_active_rows", "active_rows")):
                 self.metrics.gauge(gauge, lambda key=key: float(decode_stats()[key]))
-        self.batcher = BatchQueue(engine, self.metrics, self.config.queue_size, self.config.batch_max,
+        self.batcher = SynthesisQueue(engine, self.metrics, self.config.queue_size, self.config.batch_max,
                                   self.config.batch_timeout, heartbeat, heartbeat_interval)
         self.batcher.start()
         start = time.perf_counter()
         request_ = engine.request(deterministic=True)
-        future = self.batcher.submit([(engine.units("Ready."), request_)], time.monotonic() + 600)[0]
-        encode(to_segment(self.batcher.wait(future, time.monotonic() + 600), engine.sample_rate), "wav")
+        future = self.batcher.submit([(engine.segments("Ready."), request_)], time.monotonic() + 600)[0]
+        encode(to_audio_segment(self.batcher.wait(future, time.monotonic() + 600), engine.sample_rate), "wav")
         self.ready.set()
         return time.perf_counter() - start
 
@@ -104,7 +104,7 @@ class Service:
         if self.batcher is not None:
             self.batcher.stop()
 
-    def require_ready(self) -> tuple[Engine, BatchQueue]:
+    def require_ready(self) -> tuple[Engine, SynthesisQueue]:
         if not self.ready.is_set() or self.engine is None or self.batcher is None:
             raise NotReady()
         return self.engine, self.batcher
@@ -191,7 +191,7 @@ def _optional_str(value: Any, field: str) -> str | None:
 
 
 def _engine_request(engine: Engine, voice: str | int | None, speed: float, deterministic: bool = False,
-                    seed: Any = None, body: dict[str, Any] | None = None) -> Request:
+                    seed: Any = None, body: dict[str, Any] | None = None) -> SynthesisOptions:
     """Validated per-request options; `body` may add the CosyVoice fields mode, instruct_text and sampling."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, "invalid_parameter", "seed must be an integer")
@@ -207,9 +207,9 @@ def _engine_request(engine: Engine, voice: str | int | None, speed: float, deter
         raise ApiError(400, "invalid_parameter", str(exc)) from None
 
 
-def _units(engine: Engine, text: str) -> list[Unit]:
+def _segments(engine: Engine, text: str) -> list[Segment]:
     try:
-        return engine.units(text)
+        return engine.segments(text)
     except InputError as exc:
         raise ApiError(400, "empty_text", str(exc)) from None
 
@@ -276,9 +276,9 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         return ApiError(500, "internal_error", f"internal error (request {g.get('request_id', '?')})").response()
 
     # -- synthesis -------------------------------------------------------------------------------
-    def synthesize(route: str, text: str, req: Request, fmt: str, stream: bool) -> Response:
+    def synthesize(route: str, text: str, req: SynthesisOptions, fmt: str, stream: bool) -> Response:
         engine, batcher = service.require_ready()
-        units = _units(engine, text)
+        segments = _segments(engine, text)
         request_id = g.request_id
         payload = {"text": text, "voice": req.voice, "speed": req.speed, "format": fmt, "stream": stream}
 
@@ -286,8 +286,8 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
             service.dead_letter(route, request_id, payload, exc)
 
         deadline = time.monotonic() + config.request_timeout_s
-        first_units = units[:1] if stream else units
-        future = batcher.submit([(first_units, req)], deadline)[0]
+        first_segments = segments[:1] if stream else segments
+        future = batcher.submit([(first_segments, req)], deadline)[0]
         try:
             wave = batcher.wait(future, deadline)
         except SynthesisError as exc:
@@ -298,12 +298,12 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         mimetype = f"audio/L16; rate={rate}; channels=1" if fmt == "pcm" else MIME[fmt]
         if stream:
             disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
-            body = audio_stream(batcher, metrics, units, req, fmt, rate, wave, config.request_timeout_s,
+            body = audio_stream(batcher, metrics, segments, req, fmt, rate, wave, config.request_timeout_s,
                                 disconnected, failed)
             # no direct_passthrough: werkzeug's closing wrapper runs call_on_close (metrics) after the stream
             return Response(body, headers={**headers, "X-Accel-Buffering": "no"}, content_type=mimetype)
         try:
-            audio = encode(to_segment(wave, rate), fmt)
+            audio = encode(to_audio_segment(wave, rate), fmt)
         except Exception as exc:  # noqa: BLE001 - ffmpeg failures are the server's, not the client's
             failed(SynthesisError(f"encode {fmt}: {type(exc).__name__}: {exc}"))
             raise ApiError(500, "encoding_failed", f"encoding to {fmt} failed; recorded as request {request_id}") from None
@@ -369,18 +369,18 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         req = _engine_request(engine, native_voice(body), _speed(body.get("speed")),
                               _bool(body.get("deterministic"), "deterministic"), body.get("seed"), body)
         results: list[dict[str, Any]] = [{} for _ in texts]
-        jobs: list[tuple[int, list[Unit]]] = []
+        jobs: list[tuple[int, list[Segment]]] = []
         for index, text in enumerate(texts):
             try:
-                jobs.append((index, _units(engine, _text(text, f"texts[{index}]", config.max_text_len))))
+                jobs.append((index, _segments(engine, _text(text, f"texts[{index}]", config.max_text_len))))
             except ApiError as exc:
                 results[index] = {"index": index, "ok": False, "status": exc.status, **exc.body()}
         deadline = time.monotonic() + config.request_timeout_s
-        futures = batcher.submit([(units, req) for _, units in jobs], deadline) if jobs else []
+        futures = batcher.submit([(segments, req) for _, segments in jobs], deadline) if jobs else []
         for (index, _), future in zip(jobs, futures):
             try:
                 wave = batcher.wait(future, deadline)
-                audio = encode(to_segment(wave, engine.sample_rate), fmt)
+                audio = encode(to_audio_segment(wave, engine.sample_rate), fmt)
             except ApiError as exc:
                 results[index] = {"index": index, "ok": False, "status": exc.status, **exc.body()}
                 continue
@@ -454,7 +454,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
 
     @app.get("/metrics")
     def metrics_route() -> Response:
-        return Response(metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.synthesize(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/openapi.json")
     def openapi() -> Response:

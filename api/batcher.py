@@ -2,7 +2,7 @@
 
 The worker takes the oldest item, then waits (on a condition, never a sleep) until `batch_max`
 items are there or `timeout` has passed since the oldest one arrived, and hands the lot to
-`Engine.render_requests`, which groups compatible requests into model calls. Each item's
+`Engine.synthesize_many`, which groups compatible requests into model calls. Each item's
 `Future` carries its waveform or its error back to the waiting request thread. Items whose
 deadline passed or whose client left are skipped before any work is done for them.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from cosyedge.api.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from cosyedge.api.metrics import BATCH_BUCKETS, Metrics
 from cosyedge.device.engine import Engine
-from cosyedge.device.pipeline import Request, Unit
+from cosyedge.device.pipeline import SynthesisOptions, Segment
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,14 @@ class SynthesisError(Exception):
 
 @dataclass
 class Item:
-    units: list[Unit]
-    request: Request
+    segments: list[Segment]
+    request: SynthesisOptions
     deadline: float
     enqueued: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
 
 
-class BatchQueue:
+class SynthesisQueue:
     """Bounded queue + the single engine worker thread."""
 
     def __init__(self, engine: Engine, metrics: Metrics, capacity: int, batch_max: int, timeout: float,
@@ -79,13 +79,13 @@ class BatchQueue:
     def depth(self) -> int:
         return len(self._items)
 
-    def submit(self, jobs: Sequence[tuple[list[Unit], Request]], deadline: float, admitted: bool = False) -> list[Future]:
+    def submit(self, jobs: Sequence[tuple[list[Segment], SynthesisOptions]], deadline: float, admitted: bool = False) -> list[Future]:
         """Queue all jobs or none; QueueFull (503 + Retry-After) at once if they do not fit.
 
         `admitted` work (the next sentence of a stream already under way) skips the capacity check:
         each stream holds at most one item, so the overshoot is bounded by the HTTP thread count.
         """
-        items = [Item(list(units), request, deadline) for units, request in jobs]
+        items = [Item(list(segments), request, deadline) for segments, request in jobs]
         with self._cond:
             if not admitted and len(self._items) + len(items) > self.capacity:
                 self.metrics.inc("cosyedge_queue_rejected_total", len(items))
@@ -157,7 +157,7 @@ class BatchQueue:
     def _render(self, batch: list[Item]) -> None:
         start = time.perf_counter()
         try:
-            waves = self.engine.render_requests([(item.units, item.request) for item in batch])
+            waves = self.engine.synthesize_many([(item.segments, item.request) for item in batch])
         except Exception as exc:  # noqa: BLE001 - isolate the failing item(s) by rendering one by one
             if len(batch) == 1:
                 log.exception("synthesis failed")

@@ -54,7 +54,7 @@ class Metrics:
         "cosyedge_rtf": ("gauge", "real-time factor so far: compute seconds / audio seconds"),
         "cosyedge_synthesis_failures_total": ("counter", "items whose synthesis failed (500, dead-lettered)"),
         "cosyedge_stream_disconnects_total": ("counter", "streaming responses whose client went away before the end"),
-        "cosyedge_stream_units_skipped_total": ("counter", "sentences not synthesized because their stream's client left"),
+        "cosyedge_stream_segments_skipped_total": ("counter", "sentences not synthesized because their stream's client left"),
         "cosyedge_ready": ("gauge", "1 once the voice is loaded and warmed up"),
         "cosyedge_decode_steps": ("gauge", "CosyVoice: batched LLM decode steps run so far"),
         "cosyedge_decode_rows_mean": ("gauge", "CosyVoice: mean requests' rows per LLM decode step (cross-request batching)"),
@@ -87,7 +87,7 @@ class Metrics:
         with self._lock:
             return self._counters.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
 
-    def render(self) -> str:
+    def synthesize(self) -> str:
         lines: list[str] = []
         with self._lock:
             counters = {n: dict(s) for n, s in self._counters.items()}

@@ -20,7 +20,7 @@ from cosyedge.api.sdnotify import notify, watchdog_interval
 from cosyedge.device.errors import InputError
 
 log = logging.getLogger("cosyedge.serve")
-DRAIN_SECONDS = 10.0  # below the units' TimeoutStopSec=20
+DRAIN_SECONDS = 10.0  # below the segments' TimeoutStopSec=20
 
 
 class _Stop(Exception):
@@ -35,7 +35,7 @@ def make_server(app: Any, host: str, port: int, threads: int):
 
 
 def serve(config: ServiceConfig) -> int:
-    from cosyedge.device.engine import BatchOptions, Engine
+    from cosyedge.device.engine import BatchLimits, Engine
 
     app = create_app(config)
     service = app.extensions["cosyedge"]
@@ -56,7 +56,7 @@ def serve(config: ServiceConfig) -> int:
     threading.Thread(target=server.run, name="cosyedge-http", daemon=True).start()
     try:
         notify(f"STATUS=loading voice; listening on {config.host}:{port}")
-        options = BatchOptions(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
+        options = BatchLimits(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
         engine = Engine.load(config.bundle, precision=config.precision, options=options, state_dir=config.state_dir)
         interval = watchdog_interval()
         announced = threading.Event()  # systemd enforces the watchdog from READY=1 on; pings start then

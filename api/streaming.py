@@ -18,11 +18,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from cosyedge.api.batcher import BatchQueue, SynthesisError
+from cosyedge.api.batcher import SynthesisQueue, SynthesisError
 from cosyedge.api.errors import DeadlineExceeded
 from cosyedge.api.metrics import Metrics
 from cosyedge.device.audio import streaming_wav_header, to_pcm16
-from cosyedge.device.pipeline import Request, Unit
+from cosyedge.device.pipeline import SynthesisOptions, Segment
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class FfmpegEncoder:
                     pass
 
 
-def audio_stream(batcher: BatchQueue, metrics: Metrics, units: list[Unit], request: Request, fmt: str,
+def audio_stream(batcher: SynthesisQueue, metrics: Metrics, segments: list[Segment], request: SynthesisOptions, fmt: str,
                  sample_rate: int, first: np.ndarray, timeout: float, disconnected: Callable[[], bool],
                  on_failure: Callable[[SynthesisError], None]) -> Iterator[bytes]:
     """The response body of a stream whose first sentence (`first`) is already rendered."""
@@ -92,7 +92,7 @@ def audio_stream(batcher: BatchQueue, metrics: Metrics, units: list[Unit], reque
     finished = False
 
     def submit(index: int) -> Future:
-        future = batcher.submit([([units[index]], request)], time.monotonic() + timeout, admitted=True)[0]
+        future = batcher.submit([([segments[index]], request)], time.monotonic() + timeout, admitted=True)[0]
         future.add_done_callback(lambda f: events.put(("wave", f)))
         return future
 
@@ -112,7 +112,7 @@ def audio_stream(batcher: BatchQueue, metrics: Metrics, units: list[Unit], reque
             yield streaming_wav_header(sample_rate)
         wave = first
         while True:
-            if sent + 1 < len(units):
+            if sent + 1 < len(segments):
                 if disconnected():
                     break
                 pending = submit(sent + 1)  # the next sentence renders while this one is sent
@@ -126,7 +126,7 @@ def audio_stream(batcher: BatchQueue, metrics: Metrics, units: list[Unit], reque
                 break
             yield from until_wave()
             wave, pending = pending.result(), None
-        if sent == len(units):
+        if sent == len(segments):
             if encoder is not None:
                 encoder.finish()
                 while (event := events.get())[0] != "eof":
@@ -144,7 +144,7 @@ def audio_stream(batcher: BatchQueue, metrics: Metrics, units: list[Unit], reque
             if pending is not None:
                 pending.cancel()
             metrics.inc("cosyedge_stream_disconnects_total")
-            metrics.inc("cosyedge_stream_units_skipped_total", len(units) - sent)
-            log.info("stream client left after %d of %d sentences; the rest is not synthesized", sent, len(units))
+            metrics.inc("cosyedge_stream_segments_skipped_total", len(segments) - sent)
+            log.info("stream client left after %d of %d sentences; the rest is not synthesized", sent, len(segments))
         if encoder is not None:
             encoder.close()

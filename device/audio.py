@@ -20,7 +20,7 @@ def to_pcm16(samples: np.ndarray) -> bytes:
     return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
 
 
-def to_segment(samples: np.ndarray, sample_rate: int) -> AudioSegment:
+def to_audio_segment(samples: np.ndarray, sample_rate: int) -> AudioSegment:
     return AudioSegment(data=to_pcm16(samples), sample_width=2, frame_rate=sample_rate, channels=1)
 
 

@@ -48,7 +48,7 @@ def run_bench(bundle: Path | None, precisions: list[str], rounds: int = 3, threa
               sentences: tuple[str, ...] = SENTENCES, peer: bool = True) -> dict:
     sessions = SessionConfig(providers=("cpu",), intra_op_threads=threads)
     engines = {p: Engine.load(bundle, precision=p, sessions=sessions) for p in precisions}
-    runners = {f"cosyedge-{p}": (lambda text, e=e: e.synthesize_array(text, deterministic=True), e.sample_rate)
+    runners = {f"cosyedge-{p}": (lambda text, e=e: e.synthesize_waveform(text, deterministic=True), e.sample_rate)
                for p, e in engines.items()}
     if peer and next(iter(engines.values())).bundle.manifest.family == "vits":
         src = next(iter(engines.values())).bundle.manifest.provenance

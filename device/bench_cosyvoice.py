@@ -16,7 +16,7 @@ round-robin to fill the last batch); the c requests of a batch start together on
   decoder), timed by wrapping the sessions in the worker only; llm_ms_per_token = llm_decode / decode steps;
 * peak_rss_mb: the worker's peak resident set during the configuration (the models stay resident).
 
-`--tokens N` pins every unit to exactly N speech tokens (`Request.pin_tokens`: no stop id can be chosen), because
+`--tokens N` pins every segment to exactly N speech tokens (`SynthesisOptions.pin_tokens`: no stop id can be chosen), because
 random-weight bundles never stop sensibly; without it lengths follow the model.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 
 from cosyedge.device.errors import CosyedgeError, InputError
 
-# Alternating Chinese / English; each is one frontend segment (one unit) so a pinned run is N tokens per request.
+# Alternating Chinese / English; each is one frontend segment (one segment) so a pinned run is N tokens per request.
 TEXTS = (
     "欢迎乘坐本次列车，下一站是机场。",
     "Good morning, and welcome to the station.",
@@ -145,7 +145,7 @@ class Backend:
         raise NotImplementedError
 
     def synthesize(self, text: str, stream: bool, settings: Settings, index: int) -> tuple[int, Iterator[np.ndarray]]:
-        """(units, waveform chunks); request `index` within the batch seeds its generator."""
+        """(segments, waveform chunks); request `index` within the batch seeds its generator."""
         raise NotImplementedError
 
 
@@ -161,13 +161,13 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
             start = time.perf_counter()
             first = None
             samples = 0
-            units, chunks = backend.synthesize(texts[index], stream, settings, index)
+            segments, chunks = backend.synthesize(texts[index], stream, settings, index)
             for chunk in chunks:
                 if first is None and chunk.size:
                     first = time.perf_counter() - start
                 samples += int(chunk.size)
             results[index] = {"latency_s": time.perf_counter() - start, "first_chunk_s": first,
-                              "samples": samples, "units": units}
+                              "samples": samples, "segments": segments}
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the bench
             errors.append(exc)
 
@@ -186,7 +186,7 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
     return {"wall_s": wall, "latency_s": [r["latency_s"] for r in rows],
             "first_chunk_s": [r["first_chunk_s"] for r in rows if r["first_chunk_s"] is not None],
             "audio_s": sum(r["samples"] for r in rows) / backend.sample_rate,
-            "decode_steps": max(tokens - sum(r["units"] for r in rows), 0),
+            "decode_steps": max(tokens - sum(r["segments"] for r in rows), 0),
             "stage_s": backend.clock.take(), "peak_rss_mb": peak_rss_mb()}
 
 
@@ -264,13 +264,13 @@ class DeviceBackend(Backend):
         request = replace(self.engine.request(deterministic=greedy, seed=settings.seed + index,
                                               sampling=settings.sampling), pin_tokens=settings.tokens)
         with self.clock.timed("frontend"):
-            units = self.engine.units(text)
+            segments = self.engine.segments(text)
         pipeline = self.engine.pipeline
         if stream:
-            chunks: Iterator[np.ndarray] = (chunk for unit in units for chunk in pipeline.stream(unit, request))
+            chunks: Iterator[np.ndarray] = (chunk for segment in segments for chunk in pipeline.stream(segment, request))
         else:
-            chunks = iter(pipeline.render(units, request))
-        return len(units), chunks
+            chunks = iter(pipeline.synthesize(segments, request))
+        return len(segments), chunks
 
 
 # ------------------------------------------------------------------------------------------ parent side

@@ -44,10 +44,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_synth_batch(args: argparse.Namespace) -> int:
-    from cosyedge.device.batchjob import DEAD_LETTER, read_lines, run_batch
+    from cosyedge.device.jobs import DEAD_LETTER, read_lines, run_job
     lines = read_lines(Path(args.input))
     out_dir = Path(args.out_dir)
-    summary = run_batch(_engine(args), lines, out_dir, fmt=args.format, voice=args.voice,
+    summary = run_job(_engine(args), lines, out_dir, fmt=args.format, voice=args.voice,
                         sample_rate=args.sample_rate, speed=args.speed, progress=not args.quiet)
     print(json.dumps(summary))
     if summary["failed"]:
@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv = p.add_argument_group("CosyVoice bundles")
     cv.add_argument("--concurrency", help="concurrent requests, comma list (default 1,4,8)")
     cv.add_argument("--stream", help="on, off or on,off (default both)")
-    cv.add_argument("--tokens", type=int, help="pin every unit to N speech tokens (random-weight bundles never stop)")
+    cv.add_argument("--tokens", type=int, help="pin every segment to N speech tokens (random-weight bundles never stop)")
     cv.add_argument("--reference", metavar="MODEL_DIR",
                     help="also run the PyTorch reference of this release (fp32, concurrency 1), interleaved")
     cv.add_argument("--chart", help="write a PNG bar chart (RTF, first-chunk p50, throughput per run)")

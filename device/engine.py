@@ -11,17 +11,17 @@ import numpy as np
 from pydub import AudioSegment
 
 from cosyedge.device import text as textmod
-from cosyedge.device.audio import to_segment
+from cosyedge.device.audio import to_audio_segment
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.errors import BundleError, CosyedgeError, InputError, UnknownVoiceError
-from cosyedge.device.pipeline import SPEED_RANGE, Pipeline, Request, Unit
+from cosyedge.device.pipeline import SPEED_RANGE, Pipeline, SynthesisOptions, Segment
 from cosyedge.device.sessions import SessionConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class BatchOptions:
+class BatchLimits:
     """Limits of one batched call: text length per item, items per model call, and the queue wait."""
     max_text_len: int = 2000
     batch_max: int = 8
@@ -29,7 +29,7 @@ class BatchOptions:
 
     def __post_init__(self) -> None:
         if self.max_text_len < 1 or self.batch_max < 1 or self.timeout < 0:
-            raise InputError("BatchOptions: max_text_len and batch_max must be >= 1 and timeout >= 0")
+            raise InputError("BatchLimits: max_text_len and batch_max must be >= 1 and timeout >= 0")
 
 
 def _load_pipeline(bundle: Bundle, precision: str, sessions: SessionConfig) -> Pipeline:
@@ -59,7 +59,7 @@ def _auto_selection(bundle: Bundle, sessions: SessionConfig) -> str:
 class Engine:
     """One loaded bundle. Thread-safe: requests share only read-only state and ORT sessions."""
 
-    def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, options: BatchOptions,
+    def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, options: BatchLimits,
                  state_dir: Path | None = None) -> None:
         self.bundle = bundle
         self.pipeline = pipeline
@@ -69,7 +69,7 @@ class Engine:
 
     @classmethod
     def load(cls, bundle_path: Path | str | None = None, precision: str = "auto",
-             sessions: SessionConfig | None = None, options: BatchOptions | None = None,
+             sessions: SessionConfig | None = None, options: BatchLimits | None = None,
              warmup: bool = True, state_dir: Path | str | None = None) -> "Engine":
         """Validate the bundle, create the ORT sessions once, and warm them up.
 
@@ -83,7 +83,7 @@ class Engine:
         chosen = _auto_selection(manifest_only, sessions) if precision == "auto" else precision
         bundle = Bundle.load(bundle_path, precision=chosen)
         engine = cls(bundle, _load_pipeline(bundle, chosen, sessions), chosen,
-                     options or BatchOptions(), Path(state_dir) if state_dir else None)
+                     options or BatchLimits(), Path(state_dir) if state_dir else None)
         engine._load_registered_voices()
         if warmup:
             engine.warmup()
@@ -161,7 +161,7 @@ class Engine:
     # -- request validation -----------------------------------------------------------------
     def request(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,
                 seed: int | None = None, sampling: str = "default", mode: str | None = None,
-                instruct_text: str | None = None) -> Request:
+                instruct_text: str | None = None) -> SynthesisOptions:
         """Validate per-request options once; the result is immutable and private to the request."""
         voices = self.voices()
         if voice is None or voice == "":
@@ -187,7 +187,7 @@ class Engine:
             raise InputError(f"unknown sampling {sampling!r}; choose default or greedy")
         if instruct_text is not None and not isinstance(instruct_text, str):
             raise InputError("instruct_text must be a string")
-        request = Request(voice=name, speed=speed, deterministic=deterministic, seed=seed, sampling=sampling,
+        request = SynthesisOptions(voice=name, speed=speed, deterministic=deterministic, seed=seed, sampling=sampling,
                           mode=mode or None, instruct_text=instruct_text or None)
         check = getattr(self.pipeline, "check_request", None)  # family-specific options (modes, instruct text)
         if check is not None:
@@ -196,8 +196,8 @@ class Engine:
             raise InputError("this bundle's model family has no modes or instruct text")
         return request
 
-    def units(self, text: object) -> list[Unit]:
-        return self.pipeline.units(self._validate_text(text, self.options.max_text_len))
+    def segments(self, text: object) -> list[Segment]:
+        return self.pipeline.segments(self._validate_text(text, self.options.max_text_len))
 
     def _validate_text(self, text: object, max_chars: int) -> str:
         """The generic checks and clean-up, or the pipeline's own (`validate_text`) when its frontend needs raw text."""
@@ -205,53 +205,53 @@ class Engine:
         return own(text, max_chars) if own is not None else textmod.validate(text, max_chars)
 
     # -- synthesis --------------------------------------------------------------------------
-    def synthesize_array(self, text: str, **request_options) -> np.ndarray:
+    def synthesize_waveform(self, text: str, **request_options) -> np.ndarray:
         request = self.request(**request_options)
-        units = self.units(text)
-        return np.concatenate(self.pipeline.render(units, request))
+        segments = self.segments(text)
+        return np.concatenate(self.pipeline.synthesize(segments, request))
 
     def synthesize(self, text: str, voice: str | int | None = None, speed: float = 1.0, **request_options) -> AudioSegment:
         """The whole text as one AudioSegment at the bundle's sample rate."""
-        return to_segment(self.synthesize_array(text, voice=voice, speed=speed, **request_options), self.sample_rate)
+        return to_audio_segment(self.synthesize_waveform(text, voice=voice, speed=speed, **request_options), self.sample_rate)
 
     def stream(self, text: str, voice: str | int | None = None, speed: float = 1.0, **request_options) -> Iterator[np.ndarray]:
         """float32 chunks, each yielded as soon as it is made (a sentence for VITS)."""
         request = self.request(voice=voice, speed=speed, **request_options)
-        for unit in self.units(text):
-            yield from self.pipeline.stream(unit, request)
+        for segment in self.segments(text):
+            yield from self.pipeline.stream(segment, request)
 
-    def render_requests(self, jobs: Sequence[tuple[list[Unit], Request]]) -> list[np.ndarray]:
+    def synthesize_many(self, jobs: Sequence[tuple[list[Segment], SynthesisOptions]]) -> list[np.ndarray]:
         """Several validated requests at once, results in job order; this is what the API's batch queue calls.
 
-        A pipeline with `render_jobs` (CosyVoice2: every request decodes in shared LLM steps whatever its options)
-        takes them all; otherwise units of equal request options run as one batch.
+        A pipeline with `synthesize_many` (CosyVoice2: every request decodes in shared LLM steps whatever its options)
+        takes them all; otherwise segments of equal request options run as one batch.
         """
-        render_jobs = getattr(self.pipeline, "render_jobs", None)
-        if render_jobs is not None:
+        synthesize_many = getattr(self.pipeline, "synthesize_many", None)
+        if synthesize_many is not None:
             return [np.concatenate(waves) if waves else np.zeros(0, np.float32)
-                    for waves in render_jobs([(list(units), req) for units, req in jobs])]
-        flat: list[tuple[int, Unit, Request]] = [(j, unit, req) for j, (units, req) in enumerate(jobs) for unit in units]
+                    for waves in synthesize_many([(list(segments), req) for segments, req in jobs])]
+        flat: list[tuple[int, Segment, SynthesisOptions]] = [(j, segment, req) for j, (segments, req) in enumerate(jobs) for segment in segments]
         rendered: dict[int, np.ndarray] = {}
-        groups: dict[Request, list[int]] = {}
+        groups: dict[SynthesisOptions, list[int]] = {}
         for index, (_, _, req) in enumerate(flat):
             groups.setdefault(req, []).append(index)
         for req, indices in groups.items():
             indices.sort(key=lambda i: len(flat[i][1].ids))  # similar lengths pad less
             for start in range(0, len(indices), self.options.batch_max):
                 chunk = indices[start:start + self.options.batch_max]
-                for index, wave in zip(chunk, self.pipeline.render([flat[i][1] for i in chunk], req)):
+                for index, wave in zip(chunk, self.pipeline.synthesize([flat[i][1] for i in chunk], req)):
                     rendered[index] = wave
         per_job: list[list[np.ndarray]] = [[] for _ in jobs]
         for index, (job, _, _) in enumerate(flat):
             per_job[job].append(rendered[index])
         return [np.concatenate(parts) if parts else np.zeros(0, np.float32) for parts in per_job]
 
-    def synthesize_batch(self, texts: Sequence[str], options: BatchOptions | None = None,
+    def synthesize_batch(self, texts: Sequence[str], options: BatchLimits | None = None,
                          voice: str | int | None = None, speed: float = 1.0, **request_options) -> list[AudioSegment]:
         """Many texts, batched across texts; the list comes back in input order."""
         options = options or self.options
         request = self.request(voice=voice, speed=speed, **request_options)
-        jobs = [(self.pipeline.units(self._validate_text(t, options.max_text_len)), request) for t in texts]
+        jobs = [(self.pipeline.segments(self._validate_text(t, options.max_text_len)), request) for t in texts]
         engine = self if options == self.options else Engine(self.bundle, self.pipeline, self.precision, options,
                                                              self.state_dir)
-        return [to_segment(wave, self.sample_rate) for wave in engine.render_requests(jobs)]
+        return [to_audio_segment(wave, self.sample_rate) for wave in engine.synthesize_many(jobs)]

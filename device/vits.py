@@ -14,7 +14,7 @@ import numpy as np
 
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.errors import InputError
-from cosyedge.device.pipeline import Request, Unit
+from cosyedge.device.pipeline import SynthesisOptions, Segment
 from cosyedge.device.sessions import SessionConfig, create_session
 
 
@@ -44,37 +44,37 @@ class VitsPipeline:
     def voices(self) -> list[str]:
         return list(self._voices)
 
-    def units(self, text: str) -> list[Unit]:
+    def segments(self, text: str) -> list[Segment]:
         with self._espeak_lock:
             sentences = self._phonemizer.phonemize(self._espeak_voice, text)
-        units = []
+        segments = []
         for phonemes in sentences:
             if not any(p.isalpha() for p in phonemes):
                 continue
             ids = self._phonemes_to_ids(phonemes, self._id_map)
-            units.append(Unit(text="".join(phonemes), ids=tuple(ids)))
-        if not units:
+            segments.append(Segment(text="".join(phonemes), ids=tuple(ids)))
+        if not segments:
             raise InputError("text contains nothing speakable for this voice")
-        return units
+        return segments
 
-    def render(self, units: Sequence[Unit], request: Request) -> list[np.ndarray]:
-        lengths = np.array([len(u.ids) for u in units], dtype=np.int64)
-        ids = np.zeros((len(units), int(lengths.max())), dtype=np.int64)
-        for row, unit in enumerate(units):
-            ids[row, : len(unit.ids)] = unit.ids
+    def synthesize(self, segments: Sequence[Segment], request: SynthesisOptions) -> list[np.ndarray]:
+        lengths = np.array([len(u.ids) for u in segments], dtype=np.int64)
+        ids = np.zeros((len(segments), int(lengths.max())), dtype=np.int64)
+        for row, segment in enumerate(segments):
+            ids[row, : len(segment.ids)] = segment.ids
         noise, length, noise_w = self._scales
         if request.deterministic:
             noise, noise_w = 0.0, 0.0
         feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths,
                                         "scales": np.array([noise, length / request.speed, noise_w], dtype=np.float32)}
         if self._has_sid:
-            feeds["sid"] = np.full(len(units), self._speaker_ids.get(request.voice, 0), dtype=np.int64)
+            feeds["sid"] = np.full(len(segments), self._speaker_ids.get(request.voice, 0), dtype=np.int64)
         audio, frames = self._session.run(["output", "frames"], feeds)
         samples = np.asarray(frames).reshape(-1).astype(np.int64) * self._hop
-        return [audio[row].reshape(-1)[: samples[row]].astype(np.float32) for row in range(len(units))]
+        return [audio[row].reshape(-1)[: samples[row]].astype(np.float32) for row in range(len(segments))]
 
-    def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:
-        yield self.render([unit], request)[0]
+    def stream(self, segment: Segment, request: SynthesisOptions) -> Iterator[np.ndarray]:
+        yield self.synthesize([segment], request)[0]
 
     def describe(self) -> dict[str, Any]:
         return {"family": "vits", "precision": {"vits": self._precision}, "providers": self._session.get_providers()}

@@ -119,7 +119,7 @@ def _measure(root: Path) -> dict:
         waves = {}
         for precision, engine in engines.items():  # interleaved, so machine noise hits both alike
             start = time.perf_counter()
-            waves[precision] = engine.synthesize_array(sentence, deterministic=True)
+            waves[precision] = engine.synthesize_waveform(sentence, deterministic=True)
             compute[precision] += time.perf_counter() - start
         audio_s += waves["fp32"].size / engines["fp32"].sample_rate
         ref, test = waves["fp32"], waves["int8"]

@@ -33,7 +33,7 @@ from cosyedge.device.cosyvoice2.streaming import stream_tokens
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
 from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
 from cosyedge.device.errors import BundleError, InputError, UnknownVoiceError
-from cosyedge.device.pipeline import Request, Unit
+from cosyedge.device.pipeline import SynthesisOptions, Segment
 from cosyedge.device.sessions import SessionConfig, create_session
 from cosyedge.device.voice_store import check_voice_name
 
@@ -92,55 +92,55 @@ class CosyVoice2Pipeline:
         textmod.validate(text, max_chars)
         return str(text)
 
-    def check_request(self, request: Request) -> None:
+    def check_request(self, request: SynthesisOptions) -> None:
         """Refuse mode / voice combinations up front (InputError), before any work is queued."""
         self._mode_inputs(request)
 
-    def units(self, text: str) -> list[Unit]:
+    def segments(self, text: str) -> list[Segment]:
         with self._frontend_lock:
             segments = self._frontend.normalize(text, split=True)
-        units = [Unit(text=segment, ids=tuple(self._frontend.encode(segment))) for segment in segments]
-        units = [unit for unit in units if unit.ids]
-        if not units:
+        segments = [Segment(text=segment, ids=tuple(self._frontend.encode(segment))) for segment in segments]
+        segments = [segment for segment in segments if segment.ids]
+        if not segments:
             raise InputError("text contains nothing speakable for this voice")
-        return units
+        return segments
 
-    def render(self, units: Sequence[Unit], request: Request) -> list[np.ndarray]:
-        return self.render_jobs([(units, request)])[0]
+    def synthesize(self, segments: Sequence[Segment], request: SynthesisOptions) -> list[np.ndarray]:
+        return self.synthesize_many([(segments, request)])[0]
 
-    def render_jobs(self, jobs: Sequence[tuple[Sequence[Unit], Request]]) -> list[list[np.ndarray]]:
-        """Several requests at once, one waveform per unit. Every job's units go to the decode scheduler together
-        (one group, one Generator) before any job waits, so all of them share decode steps; then the units of all
+    def synthesize_many(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]]) -> list[list[np.ndarray]]:
+        """Several requests at once, one waveform per segment. Every job's segments go to the decode scheduler together
+        (one group, one Generator) before any job waits, so all of them share decode steps; then the segments of all
         jobs run through the flow in padded batches of similar lengths (each row with its own voice prompt), and
         through HiFT one by one (its non-causal convolutions would see another row's padding). A job's result is
         what it gives alone."""
         pending = []
-        for units, request in jobs:
+        for segments, request in jobs:
             inputs = self._mode_inputs(request)
             rng = np.random.default_rng(request.seed)
-            lm_inputs = [self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech) for unit in units]
-            group = self._decoder.submit(lm_inputs, [len(unit.ids) for unit in units], request.sampling == "greedy",
-                                         rng, request.pin_tokens) if units else None
+            lm_inputs = [self._lm.lm_input(segment.ids, inputs.prompt_text, inputs.prompt_speech) for segment in segments]
+            group = self._decoder.submit(lm_inputs, [len(segment.ids) for segment in segments], request.sampling == "greedy",
+                                         rng, request.pin_tokens) if segments else None
             pending.append((inputs, rng, group))
-        spoken = []  # (job, unit, prompt, tokens) of every unit that has speech tokens
+        spoken = []  # (job, segment, prompt, tokens) of every segment that has speech tokens
         for job, (inputs, _, group) in enumerate(pending):
-            for unit, tokens in enumerate(group.results() if group is not None else []):
+            for segment, tokens in enumerate(group.results() if group is not None else []):
                 if tokens:
-                    spoken.append((job, unit, inputs.flow, np.asarray(tokens, np.int64)))
+                    spoken.append((job, segment, inputs.flow, np.asarray(tokens, np.int64)))
         mels = {}
         for batch in self._flow_batches(spoken):
-            for (job, unit, _, _), mel in zip(batch, self._flow.mels([s[2] for s in batch], [s[3] for s in batch])):
-                mels[job, unit] = mel
+            for (job, segment, _, _), mel in zip(batch, self._flow.mels([s[2] for s in batch], [s[3] for s in batch])):
+                mels[job, segment] = mel
         out = []
-        for job, ((units, request), (_, rng, _)) in enumerate(zip(jobs, pending)):
-            waves = [np.zeros(0, np.float32) for _ in units]
-            for unit in range(len(units)):
-                mel = mels.get((job, unit))
+        for job, ((segments, request), (_, rng, _)) in enumerate(zip(jobs, pending)):
+            waves = [np.zeros(0, np.float32) for _ in segments]
+            for segment in range(len(segments)):
+                mel = mels.get((job, segment))
                 if mel is None:
                     continue
                 if request.speed != 1.0:
                     mel = stretch_mel(mel, request.speed)
-                waves[unit] = self._vocoder(mel, None if request.deterministic else rng)
+                waves[segment] = self._vocoder(mel, None if request.deterministic else rng)
             out.append(waves)
         return out
 
@@ -159,14 +159,14 @@ class CosyVoice2Pipeline:
                 batches.append([row])
         return batches
 
-    def stream(self, unit: Unit, request: Request) -> Iterator[np.ndarray]:
-        if request.speed != 1.0:  # the official streaming path has no speed change: render the unit whole
-            yield from self.render([unit], request)
+    def stream(self, segment: Segment, request: SynthesisOptions) -> Iterator[np.ndarray]:
+        if request.speed != 1.0:  # the official streaming path has no speed change: render the segment whole
+            yield from self.synthesize([segment], request)
             return
         inputs = self._mode_inputs(request)
         seeds = np.random.SeedSequence(request.seed)
         noise = None if request.deterministic else np.random.default_rng(seeds.spawn(1)[0])
-        yield from self.stream_tokens(self._tokens(unit, inputs, request, np.random.default_rng(seeds)), request,
+        yield from self.stream_tokens(self._tokens(segment, inputs, request, np.random.default_rng(seeds)), request,
                                       noise)
 
     def decode_stats(self) -> dict[str, Any]:
@@ -223,12 +223,12 @@ class CosyVoice2Pipeline:
             return self._prompt_models
 
     # -- building blocks (also used by tests and tools) -------------------------------------
-    def speech_tokens(self, unit: Unit, request: Request, rng: np.random.Generator | None = None) -> list[int]:
-        """The LLM's speech tokens for one unit (greedy ones are reproducible: the golden tests compare them)."""
+    def speech_tokens(self, segment: Segment, request: SynthesisOptions, rng: np.random.Generator | None = None) -> list[int]:
+        """The LLM's speech tokens for one segment (greedy ones are reproducible: the golden tests compare them)."""
         rng = rng if rng is not None else np.random.default_rng(request.seed)
-        return list(self._tokens(unit, self._mode_inputs(request), request, rng))
+        return list(self._tokens(segment, self._mode_inputs(request), request, rng))
 
-    def stream_tokens(self, tokens: Iterable[int], request: Request,
+    def stream_tokens(self, tokens: Iterable[int], request: SynthesisOptions,
                       rng: np.random.Generator | None = None) -> Iterator[np.ndarray]:
         """Streaming synthesis of a given token stream (any source) in the request's voice and mode."""
         inputs = self._mode_inputs(request)
@@ -237,11 +237,11 @@ class CosyVoice2Pipeline:
         yield from stream_tokens(tokens, inputs.flow, self._flow, self._vocoder, self._stream_config,
                                  None if request.deterministic else rng)
 
-    def _tokens(self, unit: Unit, inputs: ModeInputs, request: Request, rng: np.random.Generator) -> Iterator[int]:
-        lm_input = self._lm.lm_input(unit.ids, inputs.prompt_text, inputs.prompt_speech)
-        return self._decoder.stream(lm_input, len(unit.ids), request.sampling == "greedy", rng, request.pin_tokens)
+    def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator) -> Iterator[int]:
+        lm_input = self._lm.lm_input(segment.ids, inputs.prompt_text, inputs.prompt_speech)
+        return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, request.pin_tokens)
 
-    def _mode_inputs(self, request: Request) -> ModeInputs:
+    def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:
         voice = self._voices.get(request.voice)
         if voice is None:
             raise UnknownVoiceError(f"unknown voice {request.voice[:64]!r}; available: {', '.join(self._voices)}")

@@ -3,7 +3,7 @@
 Why: a decode step is bound by reading the LLM weights (CPU) or by kernel launches (GPU), not by the number
 of rows, so N requests decoding together cost little more than one. Requests join and leave between steps.
 
-A request thread submits a *group* (the units of one render call, or the one unit of a stream sentence) with
+A request thread submits a *group* (the segments of one render call, or the one segment of a stream sentence) with
 its own length rules, greedy flag and `numpy.random.Generator`, then reads each row's tokens from that row's
 queue as they are chosen. The worker loop:
 

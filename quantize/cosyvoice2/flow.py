@@ -238,10 +238,10 @@ class RelPositionAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, units: int) -> None:
+    def __init__(self, dim: int, segments: int) -> None:
         super().__init__()
-        self.w_1 = nn.Linear(dim, units)
-        self.w_2 = nn.Linear(units, dim)
+        self.w_1 = nn.Linear(dim, segments)
+        self.w_2 = nn.Linear(segments, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_2(F.silu(self.w_1(x)))

@@ -151,11 +151,11 @@ class ReferencePipeline(Backend):
         noise_rng = None if settings.sampling == "greedy" else rng
         return len(ids), self._chunks(ids, stream, settings, rng, noise_rng)
 
-    def _chunks(self, units: Sequence[list[int]], stream: bool, settings: Settings, rng: np.random.Generator,
+    def _chunks(self, segments: Sequence[list[int]], stream: bool, settings: Settings, rng: np.random.Generator,
                 noise_rng: np.random.Generator | None) -> Iterator[np.ndarray]:
         with torch.inference_mode():  # grad mode is per thread: set it in the request's own thread
-            for unit in units:
-                tokens = self._tokens(unit, settings, rng)
+            for segment in segments:
+                tokens = self._tokens(segment, settings, rng)
                 if stream:
                     yield from stream_tokens(tokens, self._inputs.flow, self._flow, self._vocoder, self._stream,
                                              noise_rng)
@@ -165,13 +165,13 @@ class ReferencePipeline(Backend):
                     mel = self._flow.mel(self._inputs.flow, generated, finalize=True, streaming=False)
                     yield self._vocoder(mel, noise_rng)
 
-    def _tokens(self, unit: Sequence[int], settings: Settings, rng: np.random.Generator) -> Iterator[int]:
+    def _tokens(self, segment: Sequence[int], settings: Settings, rng: np.random.Generator) -> Iterator[int]:
         """Official decoding: prefill, then one position per token; stop ids masked when the length is pinned."""
         lm, config = self._lm, self._lm.config
         pin = settings.tokens
-        min_len, max_len = (pin, pin) if pin is not None else config.min_max_len(len(unit))
+        min_len, max_len = (pin, pin) if pin is not None else config.min_max_len(len(segment))
         with self.clock.timed("llm_prefill"):
-            logits, key, value = lm.prefill(lm.lm_input(unit, self._inputs.prompt_text, self._inputs.prompt_speech))
+            logits, key, value = lm.prefill(lm.lm_input(segment, self._inputs.prompt_text, self._inputs.prompt_speech))
         history: list[int] = []
         for step in range(max_len):
             scores = logits[0].numpy()

@@ -20,7 +20,7 @@ from cosyedge.api.app import create_app
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.server import make_server
 from cosyedge.device.engine import Engine
-from cosyedge.device.pipeline import Unit
+from cosyedge.device.pipeline import Segment
 
 FAIL_WORD = "kaboom"
 HOLD_WORD = "hold"
@@ -28,7 +28,7 @@ _FAIL, _HOLD = "\x00fail\x00", "\x00hold\x00"
 
 
 class FaultPipeline:
-    """The real pipeline; units of text with FAIL_WORD raise in render, with HOLD_WORD wait for `release`."""
+    """The real pipeline; segments of text with FAIL_WORD raise in render, with HOLD_WORD wait for `release`."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -39,21 +39,21 @@ class FaultPipeline:
     def voices(self) -> list[str]:
         return self.inner.voices()
 
-    def units(self, text: str) -> list[Unit]:
+    def segments(self, text: str) -> list[Segment]:
         tag = _FAIL if FAIL_WORD in text.lower() else _HOLD if HOLD_WORD in text.lower() else ""
-        return [Unit(text=tag + u.text, ids=u.ids) for u in self.inner.units(text)]
+        return [Segment(text=tag + u.text, ids=u.ids) for u in self.inner.segments(text)]
 
-    def render(self, units, request) -> list[np.ndarray]:
-        if any(u.text.startswith(_FAIL) for u in units):
+    def synthesize(self, segments, request) -> list[np.ndarray]:
+        if any(u.text.startswith(_FAIL) for u in segments):
             raise RuntimeError("injected failure in render")
-        if any(u.text.startswith(_HOLD) for u in units):
+        if any(u.text.startswith(_HOLD) for u in segments):
             self.holding.set()
             if not self.release.wait(60):
                 raise RuntimeError("test never released the held render")
-        return self.inner.render(units, request)
+        return self.inner.synthesize(segments, request)
 
-    def stream(self, unit, request):
-        yield self.render([unit], request)[0]
+    def stream(self, segment, request):
+        yield self.synthesize([segment], request)[0]
 
     def describe(self) -> dict:
         return self.inner.describe()

@@ -28,7 +28,7 @@ def test_sixteen_concurrent_clients_are_batched(server, default_engine):
     for text, (status, headers, body) in zip(texts, results):
         assert status == 200, body[:200]
         got = decode(body).astype(np.float32) / 32767
-        want = default_engine.synthesize_array(text, deterministic=True)
+        want = default_engine.synthesize_waveform(text, deterministic=True)
         assert len(got) == len(want), text  # each client got its own sentence, not a neighbour's
         assert np.max(np.abs(got - want)) < 0.02, text  # batched padding vs single run, 16-bit rounding
     # more items than engine calls: at least one call carried several clients' sentences

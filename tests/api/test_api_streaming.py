@@ -36,7 +36,7 @@ sys.stdin.read()
 
 def test_killed_stream_client_stops_its_work(server):
     disconnects = server.metric("cosyedge_stream_disconnects_total")
-    skipped = server.metric("cosyedge_stream_units_skipped_total")
+    skipped = server.metric("cosyedge_stream_segments_skipped_total")
     audio_before = server.metric("cosyedge_audio_seconds_total")
     body = json.dumps({"text": LONG_TEXT, "stream": True, "format": "pcm"})
     client = subprocess.Popen([sys.executable, "-c", CLIENT, str(server.port), body],
@@ -51,7 +51,7 @@ def test_killed_stream_client_stops_its_work(server):
             break
         time.sleep(0.02)
     assert server.metric("cosyedge_stream_disconnects_total") == disconnects + 1
-    assert server.metric("cosyedge_stream_units_skipped_total") - skipped >= SENTENCES - 5
+    assert server.metric("cosyedge_stream_segments_skipped_total") - skipped >= SENTENCES - 5
     produced = server.metric("cosyedge_audio_seconds_total") - audio_before
     assert produced < 0.25 * SENTENCES * 3.0  # ~3 s per sentence: far less than the whole text was made
 
@@ -63,7 +63,7 @@ def test_streamed_wav_has_unknown_length_header_and_all_sentences(server, defaul
     assert status == 200 and headers["transfer-encoding"] == "chunked" and headers["x-sample-rate"] == "22050"
     assert body[:4] == b"RIFF" and body[4:8] == b"\xff\xff\xff\xff" and body[40:44] == b"\xff\xff\xff\xff"
     got = np.frombuffer(body[44:], dtype="<i2")
-    want = default_engine.synthesize_array(text, deterministic=True)
+    want = default_engine.synthesize_waveform(text, deterministic=True)
     assert len(got) == len(want)
 
 

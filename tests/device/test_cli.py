@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import soundfile as sf
 
-from cosyedge.device.batchjob import DEAD_LETTER
+from cosyedge.device.jobs import DEAD_LETTER
 
 
 def cosyedge(*args: str, env_home: Path, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cosyedge.device.engine import Engine
-from cosyedge.device.pipeline import Request
+from cosyedge.device.pipeline import SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
 
 ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
@@ -31,15 +31,15 @@ def _stats_delta(before: dict, after: dict) -> dict[int, int]:
             if n - before["rows_per_step"].get(k, 0)}
 
 
-def _lm_inputs(engine: Engine, text: str, request: Request) -> tuple[list[np.ndarray], list[int]]:
+def _lm_inputs(engine: Engine, text: str, request: SynthesisOptions) -> tuple[list[np.ndarray], list[int]]:
     pipeline = engine.pipeline
     inputs = pipeline._mode_inputs(request)
-    units = engine.units(text)
-    return ([pipeline._lm.lm_input(u.ids, inputs.prompt_text, inputs.prompt_speech) for u in units],
-            [len(u.ids) for u in units])
+    segments = engine.segments(text)
+    return ([pipeline._lm.lm_input(u.ids, inputs.prompt_text, inputs.prompt_speech) for u in segments],
+            [len(u.ids) for u in segments])
 
 
-# two units (the text of golden case zero_shot2)
+# two segments (the text of golden case zero_shot2)
 LONG_ZH = ("人工智能正在改变我们的生活方式。从智能手机上的语音助手，到自动驾驶汽车，再到医疗诊断系统，这些技术已经深入到社会的各个角"
            "落。然而，随着技术的快速发展，人们也开始担心隐私保护、就业替代以及算法偏见等问题。专家们认为，我们需要在推动创新的同")
 JOBS = [("你好，世界！", {"voice": SFT_VOICE, "sampling": "greedy", "deterministic": True}),
@@ -49,12 +49,12 @@ JOBS = [("你好，世界！", {"voice": SFT_VOICE, "sampling": "greedy", "deter
 
 
 def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Four requests (different texts, voices, modes, seeds; greedy and seeded RAS; one of two units) give in one
-    `render_requests` call exactly the tokens and audio each gives alone; the decode steps were shared and units
+    """Four requests (different texts, voices, modes, seeds; greedy and seeded RAS; one of two segments) give in one
+    `synthesize_many` call exactly the tokens and audio each gives alone; the decode steps were shared and segments
     of different requests (their own voice prompts) went through one padded flow batch."""
     pipeline, lm = engine.pipeline, engine.pipeline._lm
     requests = [engine.request(**options) for _, options in JOBS]
-    jobs = [(engine.units(text), req) for (text, _), req in zip(JOBS, requests)]
+    jobs = [(engine.segments(text), req) for (text, _), req in zip(JOBS, requests)]
     # tokens: the scheduler's rows against the single-prompt / single-group reference decoders
     alone_tokens = []
     for (text, _), req in zip(JOBS, requests):
@@ -71,7 +71,7 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     shared = _stats_delta(before, pipeline.decode_stats())
     assert max(shared) >= 4  # the four requests (five rows) decoded in common steps
     # audio: each job alone, then all four in one call
-    alone = [engine.render_requests([job])[0] for job in jobs]
+    alone = [engine.synthesize_many([job])[0] for job in jobs]
     flow_rows: list[set[int]] = []
     mels = pipeline._flow.mels
 
@@ -81,12 +81,12 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
 
     monkeypatch.setattr(pipeline._flow, "mels", recorded)
     before = pipeline.decode_stats()
-    together = engine.render_requests(jobs)
+    together = engine.synthesize_many(jobs)
     assert any(len(requests_in_call) > 1 for requests_in_call in flow_rows)
     assert max(_stats_delta(before, pipeline.decode_stats())) > 1
     for a, b in zip(alone, together):
         assert a.size and np.array_equal(a, b)
-    assert np.array_equal(together[2], engine.synthesize_array(JOBS[2][0], **JOBS[2][1]))
+    assert np.array_equal(together[2], engine.synthesize_waveform(JOBS[2][0], **JOBS[2][1]))
 
 
 def _stream(engine: Engine, text: str, options: dict) -> list[np.ndarray]:
@@ -153,7 +153,7 @@ def test_abandoned_stream_leaves_the_batch(engine: Engine) -> None:
     stream = pipeline._decoder.stream(x, n, False, np.random.default_rng(3), pin=400)
     assert len([next(stream) for _ in range(3)]) == 3
     stream.close()
-    tokens = pipeline.speech_tokens(engine.units(JOBS[0][0])[0], engine.request(voice=SFT_VOICE, sampling="greedy"))
+    tokens = pipeline.speech_tokens(engine.segments(JOBS[0][0])[0], engine.request(voice=SFT_VOICE, sampling="greedy"))
     info = pipeline.describe()["decode"]
     assert tokens and info["tokens"] - before["tokens"] < 400 + len(tokens)
     assert info["active_rows"] == 0 and info["waiting_groups"] == 0

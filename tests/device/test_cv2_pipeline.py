@@ -23,7 +23,7 @@ import pytest
 from cosyedge.device.cosyvoice2.streaming import stream_tokens
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import InputError
-from cosyedge.device.pipeline import Request
+from cosyedge.device.pipeline import SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
 
 MEL_ATOL = 1e-4
@@ -86,14 +86,14 @@ def _options(case: dict) -> dict:
 @pytest.mark.parametrize("case", E2E_CASES, ids=[c["name"] for c in E2E_CASES])
 def test_e2e_greedy_matches_golden(engine: Engine, vectors: dict, case: dict) -> None:
     request = engine.request(**_options(case))
-    units = engine.units(case["text"])
-    assert [u.text for u in units] == case["segments"]
-    for j, unit in enumerate(units):
+    segments = engine.segments(case["text"])
+    assert [u.text for u in segments] == case["segments"]
+    for j, segment in enumerate(segments):
         key = f"{case['name']}_s{j}"
-        assert list(unit.ids) == vectors["llm"][f"{key}__text_token"].reshape(-1).tolist()
-        assert engine.pipeline.speech_tokens(unit, request) == vectors["llm"][f"{key}__greedy_tokens"].tolist()
-    wave_ = engine.synthesize_array(case["text"], **_options(case))
-    golden = np.concatenate([vectors["e2e"][f"{case['name']}_s{j}__tts_speech"][0] for j in range(len(units))])
+        assert list(segment.ids) == vectors["llm"][f"{key}__text_token"].reshape(-1).tolist()
+        assert engine.pipeline.speech_tokens(segment, request) == vectors["llm"][f"{key}__greedy_tokens"].tolist()
+    wave_ = engine.synthesize_waveform(case["text"], **_options(case))
+    golden = np.concatenate([vectors["e2e"][f"{case['name']}_s{j}__tts_speech"][0] for j in range(len(segments))])
     assert wave_.dtype == np.float32 and wave_.shape == golden.shape
     assert _snr(golden, wave_) > SNR_DB
 
@@ -104,16 +104,16 @@ def test_batched_render_matches_single_goldens(engine: Engine, vectors: dict, na
     """Several requests with equal options go through one padded LLM batch and one padded flow batch."""
     cases = [next(c for c in E2E_CASES if c["name"] == n) for n in names]
     request = engine.request(**_options(cases[0]))
-    units = [engine.units(c["text"]) for c in cases]
+    segments = [engine.segments(c["text"]) for c in cases]
     pipeline = engine.pipeline
     inputs = pipeline._mode_inputs(request)
-    flat = [u for us in units for u in us]
+    flat = [u for us in segments for u in us]
     rows = pipeline._lm.batch_tokens([pipeline._lm.lm_input(u.ids, inputs.prompt_text, inputs.prompt_speech)
                                       for u in flat], [len(u.ids) for u in flat], True, np.random.default_rng(0))
-    keys = [f"{c['name']}_s{j}" for c, us in zip(cases, units) for j in range(len(us))]
+    keys = [f"{c['name']}_s{j}" for c, us in zip(cases, segments) for j in range(len(us))]
     assert rows == [vectors["llm"][f"{k}__greedy_tokens"].tolist() for k in keys]
-    waves = engine.render_requests([(us, request) for us in units])
-    for case, us, wave_ in zip(cases, units, waves):
+    waves = engine.synthesize_many([(us, request) for us in segments])
+    for case, us, wave_ in zip(cases, segments, waves):
         golden = np.concatenate([vectors["e2e"][f"{case['name']}_s{j}__tts_speech"][0] for j in range(len(us))])
         assert wave_.shape == golden.shape and _snr(golden, wave_) > SNR_DB
 
@@ -144,7 +144,7 @@ def test_cli_synth_writes_the_golden_waveform(cv2_bundle: Path, engine: Engine, 
     with wave.open(str(out)) as handle:
         assert handle.getframerate() == 24000 and handle.getsampwidth() == 2
         pcm = np.frombuffer(handle.readframes(handle.getnframes()), "<i2").astype(np.float32) / 32767.0
-    direct = engine.synthesize_array(text, voice=ZH_VOICE, sampling="greedy", deterministic=True)
+    direct = engine.synthesize_waveform(text, voice=ZH_VOICE, sampling="greedy", deterministic=True)
     golden = vectors["e2e"]["zero_shot0_s0__tts_speech"][0]
     assert pcm.shape == golden.shape
     assert float(np.abs(pcm - direct).max()) <= WAV_ATOL
@@ -250,7 +250,7 @@ def test_concurrent_renders_share_nothing(engine: Engine) -> None:
     jobs = [("你好，世界！", {"voice": SFT_VOICE, "sampling": "greedy", "deterministic": True}),
             ("收到好友从远方寄来的生日礼物。", {"voice": ZH_VOICE, "seed": 5}),
             ("Good morning, my friend.", {"voice": ZH_VOICE, "mode": "cross_lingual", "seed": 6})]
-    alone = [engine.synthesize_array(text, **options) for text, options in jobs]
+    alone = [engine.synthesize_waveform(text, **options) for text, options in jobs]
     start = threading.Barrier(len(jobs))
     together: list[np.ndarray | None] = [None] * len(jobs)
     errors: list[BaseException] = []
@@ -259,7 +259,7 @@ def test_concurrent_renders_share_nothing(engine: Engine) -> None:
         try:
             start.wait(timeout=30)
             text, options = jobs[index]
-            together[index] = engine.synthesize_array(text, **options)
+            together[index] = engine.synthesize_waveform(text, **options)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -279,8 +279,8 @@ def test_stream_with_the_llm_interleaves_and_equals_token_streaming(engine: Engi
     the same tokens to the chunker, and close to the non-streaming golden."""
     pipeline = engine.pipeline
     request = engine.request(voice=SFT_VOICE, sampling="greedy", deterministic=True)
-    (unit,) = engine.units("你好，世界！")
-    chunks = list(pipeline.stream(unit, request))
+    (segment,) = engine.segments("你好，世界！")
+    chunks = list(pipeline.stream(segment, request))
     tokens = vectors["llm"]["sft0_s0__greedy_tokens"].tolist()
     direct = list(pipeline.stream_tokens(tokens, request))
     assert [len(c) for c in chunks] == [len(c) for c in direct] and len(chunks) == 2
@@ -291,7 +291,7 @@ def test_stream_with_the_llm_interleaves_and_equals_token_streaming(engine: Engi
     np.testing.assert_allclose(via_engine, np.concatenate(chunks), rtol=0, atol=1e-6)
 
 
-def test_stream_with_speed_renders_the_unit_whole(engine: Engine, vectors: dict) -> None:
+def test_stream_with_speed_renders_the_segment_whole(engine: Engine, vectors: dict) -> None:
     chunks = list(engine.stream("收到好友从远方寄来的生日礼物。", voice=ZH_VOICE, speed=1.5, sampling="greedy",
                                 deterministic=True))
     golden = vectors["e2e"]["zero_shot0_speed1.5_s0__tts_speech"][0]
@@ -302,16 +302,16 @@ def test_stream_with_speed_renders_the_unit_whole(engine: Engine, vectors: dict)
 
 def test_sampled_requests_are_seeded_and_private(engine: Engine) -> None:
     text = "Good morning, my friend."
-    first = engine.synthesize_array(text, voice=ZH_VOICE, seed=11)
-    again = engine.synthesize_array(text, voice=ZH_VOICE, seed=11)
-    other = engine.synthesize_array(text, voice=ZH_VOICE, seed=12)
+    first = engine.synthesize_waveform(text, voice=ZH_VOICE, seed=11)
+    again = engine.synthesize_waveform(text, voice=ZH_VOICE, seed=11)
+    other = engine.synthesize_waveform(text, voice=ZH_VOICE, seed=12)
     assert np.array_equal(first, again)
     assert first.shape != other.shape or not np.array_equal(first, other)
-    (unit,) = engine.units(text)
+    (segment,) = engine.segments(text)
     req = engine.request(voice=ZH_VOICE, seed=11, deterministic=True)
-    tokens = engine.pipeline.speech_tokens(unit, req)
-    assert tokens == engine.pipeline.speech_tokens(unit, req)
-    _, max_len = engine.pipeline._lm.config.min_max_len(len(unit.ids))
+    tokens = engine.pipeline.speech_tokens(segment, req)
+    assert tokens == engine.pipeline.speech_tokens(segment, req)
+    _, max_len = engine.pipeline._lm.config.min_max_len(len(segment.ids))
     assert 0 < len(tokens) <= max_len and all(0 <= t < 6561 for t in tokens)
 
 
@@ -328,8 +328,8 @@ def test_modes_and_voices_are_checked_up_front(engine: Engine) -> None:
         with pytest.raises(InputError):
             engine.request(**bad)
     with pytest.raises(InputError):
-        engine.units("。。。")
-    assert Request(voice="x").mode is None and Request(voice="x").instruct_text is None
+        engine.segments("。。。")
+    assert SynthesisOptions(voice="x").mode is None and SynthesisOptions(voice="x").instruct_text is None
 
 
 def test_instruct_marker_is_added_when_missing(engine: Engine) -> None:
@@ -367,7 +367,7 @@ def test_voice_from_prompt_audio_matches_the_release_entry(engine: Engine, vecto
     assert loaded.prompt_text == voice.prompt_text and np.array_equal(loaded.prompt_mel, voice.prompt_mel)
     pipeline.add_voice(loaded)
     try:
-        out = engine.synthesize_array("收到好友从远方寄来的生日礼物。", voice="my_voice", sampling="greedy",
+        out = engine.synthesize_waveform("收到好友从远方寄来的生日礼物。", voice="my_voice", sampling="greedy",
                                       deterministic=True)
         golden = vectors["e2e"]["zero_shot0_s0__tts_speech"][0]
         assert out.shape == golden.shape and _snr(golden, out) > SNR_DB
@@ -390,7 +390,7 @@ def test_pipeline_runs_without_torch(cv2_bundle: Path, vectors: dict, golden_dir
         "from device.sessions import SessionConfig\n"
         f"e = Engine.load({str(cv2_bundle)!r}, precision='fp32', sessions=SessionConfig(providers=('cpu',), "
         "intra_op_threads=1))\n"
-        "wave = e.synthesize_array('你好，世界！', voice='tiny_sft_spk', sampling='greedy', deterministic=True)\n"
+        "wave = e.synthesize_waveform('你好，世界！', voice='tiny_sft_spk', sampling='greedy', deterministic=True)\n"
         "chunks = list(e.stream('Hello there, this is streaming.', voice='tiny_spk_en', seed=3))\n"
         "import soundfile\n"
         f"wav, sr = soundfile.read({str(golden_dir / 'audio' / 'zero_shot_prompt.wav')!r}, dtype='float32')\n"

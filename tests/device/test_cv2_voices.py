@@ -49,8 +49,8 @@ def test_registered_voice_survives_a_restart_and_speaks_like_the_release_entry(c
     restarted = _load(cv2_tiny_bundle)  # a new process would do exactly this
     assert "narrator" in restarted.voices()
     # The release's tiny_spk_zh was made by the official add_zero_shot_spk from the same clip and transcript.
-    ours = restarted.synthesize_array(TEXT, voice="narrator", sampling="greedy", deterministic=True)
-    official = restarted.synthesize_array(TEXT, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
+    ours = restarted.synthesize_waveform(TEXT, voice="narrator", sampling="greedy", deterministic=True)
+    official = restarted.synthesize_waveform(TEXT, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
     assert ours.shape == official.shape
     assert 10 * np.log10(np.sum(official.astype(np.float64) ** 2) / max(np.sum((ours - official) ** 2), 1e-30)) > 40
 

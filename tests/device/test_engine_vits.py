@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyedge.device.engine import BatchOptions
+from cosyedge.device.engine import BatchLimits
 from cosyedge.device.errors import InputError, UnknownVoiceError
 
 SHORT = "Hello there."
@@ -35,8 +35,8 @@ def test_duration_grows_with_text(default_engine):
 
 
 def test_deterministic_mode_repeats_exactly(default_engine):
-    a = default_engine.synthesize_array(SHORT, deterministic=True)
-    b = default_engine.synthesize_array(SHORT, deterministic=True)
+    a = default_engine.synthesize_waveform(SHORT, deterministic=True)
+    b = default_engine.synthesize_waveform(SHORT, deterministic=True)
     np.testing.assert_array_equal(a, b)
 
 
@@ -52,7 +52,7 @@ def test_speed_changes_duration(default_engine):
 def test_stream_chunks_concatenate_to_full_result(default_engine):
     chunks = list(default_engine.stream(LONG, deterministic=True))
     assert len(chunks) == 2  # one chunk per sentence
-    full = default_engine.synthesize_array(LONG, deterministic=True)
+    full = default_engine.synthesize_waveform(LONG, deterministic=True)
     streamed = np.concatenate(chunks)
     assert streamed.size == full.size
     # synthesize() runs both sentences as one padded batch: equal up to float round-off and edge context.
@@ -61,7 +61,7 @@ def test_stream_chunks_concatenate_to_full_result(default_engine):
 
 def test_batch_results_equal_single_results_in_order(default_engine):
     texts = [LONG, SHORT, "Numbers like 42 are read out.", SHORT + " Again."]
-    batch = default_engine.synthesize_batch(texts, BatchOptions(batch_max=4), deterministic=True)
+    batch = default_engine.synthesize_batch(texts, BatchLimits(batch_max=4), deterministic=True)
     assert len(batch) == len(texts)
     for text, segment in zip(texts, batch):
         single = default_engine.synthesize(text, deterministic=True)
@@ -73,8 +73,8 @@ def test_batch_results_equal_single_results_in_order(default_engine):
 
 
 def test_emoji_and_unsupported_characters_are_skipped(default_engine):
-    plain = default_engine.synthesize_array("Good morning.", deterministic=True)
-    decorated = default_engine.synthesize_array("Good 😀 morning.\u0007 ✨", deterministic=True)
+    plain = default_engine.synthesize_waveform("Good morning.", deterministic=True)
+    decorated = default_engine.synthesize_waveform("Good 😀 morning.\u0007 ✨", deterministic=True)
     np.testing.assert_array_equal(plain, decorated)
 
 

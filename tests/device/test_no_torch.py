@@ -17,7 +17,7 @@ def test_blocker_really_blocks(torch_blocked_env, default_bundle_path):
 
 def test_runtime_and_api_work_without_torch(torch_blocked_env, default_bundle_path):
     code = (
-        "import cosyedge.device.engine, cosyedge.device.cli, cosyedge.device.bench, cosyedge.device.batchjob\n"
+        "import cosyedge.device.engine, cosyedge.device.cli, cosyedge.device.bench, cosyedge.device.jobs\n"
         "import cosyedge.api.app, cosyedge.api.server, cosyedge.api.batcher\n"
         "from cosyedge.device.engine import Engine\n"
         "e = Engine.load()\n"

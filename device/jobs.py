@@ -67,7 +67,7 @@ def _complete(path: Path) -> bool:
     return True
 
 
-def run_batch(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", voice: str | None = None,
+def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", voice: str | None = None,
               sample_rate: int | None = None, speed: float = 1.0, progress: bool = True) -> dict:
     """Synthesize every line not yet done; return a summary (done, skipped, failed, audio seconds, RTF)."""
     fmt, sample_rate = check_format(fmt), check_sample_rate(sample_rate)
