@@ -18,6 +18,9 @@ from cosyedge.device.errors import InputError
 
 VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 MIN_PROMPT_SECONDS, MAX_PROMPT_SECONDS = 1.0, 30.0
+# Prompts below 16 kHz are upsampled (telephone-band 8 kHz is the floor); 192 kHz is the highest studio rate.
+MIN_PROMPT_RATE, MAX_PROMPT_RATE = 8000, 192000
+MAX_PROMPT_BYTES = 16 << 20  # 30 s of 48 kHz stereo 16-bit WAV is 11 MB
 SILENCE_RMS = 1e-3
 
 
@@ -30,11 +33,31 @@ def check_voice_name(name: object) -> str:
 
 
 def read_prompt_audio(data: bytes) -> tuple[np.ndarray, int]:
-    """Any format libsndfile reads (wav, flac, ogg, mp3), any rate, mono-mixed; the checks of a usable prompt."""
+    """Any format libsndfile reads (wav, flac, ogg, mp3), 8-192 kHz, mono-mixed; the checks of a usable prompt.
+
+    Size, rate and duration are checked from the header before anything is decoded, and decoding stops at
+    the duration limit whatever the header claims, so one upload cannot exhaust memory.
+    """
+    if len(data) > MAX_PROMPT_BYTES:
+        raise InputError(f"prompt audio is larger than {MAX_PROMPT_BYTES >> 20} MB; give 1-30 s of speech")
+    unreadable = InputError("prompt audio is not a readable audio file (wav, flac, ogg or mp3)")
     try:
-        wav, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        info = sf.info(io.BytesIO(data))
     except (RuntimeError, sf.LibsndfileError, TypeError, ValueError):
-        raise InputError("prompt audio is not a readable audio file (wav, flac, ogg or mp3)") from None
+        raise unreadable from None
+    if not MIN_PROMPT_RATE <= info.samplerate <= MAX_PROMPT_RATE:
+        raise InputError(f"prompt audio is sampled at {info.samplerate} Hz; {MIN_PROMPT_RATE}-{MAX_PROMPT_RATE} Hz "
+                         "is supported")
+    if not 1 <= info.channels <= 8:
+        raise InputError(f"prompt audio has {info.channels} channels; at most 8 are supported")
+    limit = int(MAX_PROMPT_SECONDS * info.samplerate) + 1
+    if info.frames > limit:
+        raise InputError(f"prompt audio is {info.frames / info.samplerate:.1f} s long; at most "
+                         f"{MAX_PROMPT_SECONDS:.0f} s is supported")
+    try:
+        wav, rate = sf.read(io.BytesIO(data), frames=limit, dtype="float32", always_2d=True)
+    except (RuntimeError, sf.LibsndfileError, TypeError, ValueError):
+        raise unreadable from None
     wav = wav.mean(axis=1)
     seconds = wav.size / rate
     if seconds < MIN_PROMPT_SECONDS:

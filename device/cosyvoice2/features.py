@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from cosyedge.device.errors import InputError
+from cosyedge.device.voice_store import MAX_PROMPT_RATE, MIN_PROMPT_RATE
 
 SPEAKER_SAMPLE_RATE = 16000      # CAM++ and the speech tokenizer both take 16 kHz audio
 MAX_PROMPT_SECONDS = 30.0        # the speech tokenizer's limit (an assertion in the official frontend)
@@ -75,9 +76,19 @@ def _sinc_kernel(orig: int, new: int, lowpass_filter_width: int, rolloff: float)
     return kernel.astype(np.float32), width
 
 
+# An exact polyphase kernel has `new x (2 width + orig)` taps: small for the usual rates (44.1 -> 16 kHz: 76 k),
+# but an odd rate such as 47999 Hz (gcd 1 with 16000) would need gigabytes. Above this many taps the same
+# windowed sinc is evaluated directly per output sample instead, in blocks: memory and time stay linear.
+MAX_POLYPHASE_TAPS = 1 << 22
+_DIRECT_BLOCK = 4096  # output samples per block of the direct path
+
+
 def resample(wav: np.ndarray, sr_in: int, sr_out: int, lowpass_filter_width: int = 6,
              rolloff: float = 0.99) -> np.ndarray:
-    """Band-limited resampling of a 1-D waveform, equal to torchaudio `Resample` with its defaults (sinc_interp_hann)."""
+    """Band-limited resampling of a 1-D waveform, equal to torchaudio `Resample` with its defaults (sinc_interp_hann).
+
+    Any pair of integer rates works in bounded memory: rare rate pairs take the direct path (same filter).
+    """
     wav = np.asarray(wav, dtype=np.float32)
     if wav.ndim != 1:
         raise InputError("resample expects a mono (1-D) waveform")
@@ -85,12 +96,42 @@ def resample(wav: np.ndarray, sr_in: int, sr_out: int, lowpass_filter_width: int
         return wav.copy()
     gcd = math.gcd(int(sr_in), int(sr_out))
     orig, new = int(sr_in) // gcd, int(sr_out) // gcd
+    width = math.ceil(lowpass_filter_width * orig / (min(orig, new) * rolloff))
+    target_length = math.ceil(new * wav.shape[0] / orig)
+    if new * (2 * width + orig) > MAX_POLYPHASE_TAPS:
+        return _resample_direct(wav, orig, new, lowpass_filter_width, rolloff, target_length)
     kernel, width = _sinc_kernel(orig, new, lowpass_filter_width, rolloff)
     padded = np.pad(wav.astype(np.float64), (width, width + orig))
     frames = np.lib.stride_tricks.sliding_window_view(padded, kernel.shape[1])[::orig]
     out = (frames @ kernel.astype(np.float64).T).reshape(-1)
-    target_length = math.ceil(new * wav.shape[0] / orig)
     return out[:target_length].astype(np.float32)
+
+
+def _resample_direct(wav: np.ndarray, orig: int, new: int, lowpass_filter_width: int, rolloff: float,
+                     target_length: int) -> np.ndarray:
+    """The polyphase filter evaluated per output sample m: weight of input p is f((p / orig - m / new) x base).
+
+    Only the inputs within the filter's support (|t| < width zero crossings) are visited, so each output costs
+    about 2 x width taps whatever the rates' ratio.
+    """
+    base_freq = min(orig, new) * rolloff
+    reach = lowpass_filter_width * orig / base_freq  # input samples on each side of an output's centre
+    taps = np.arange(-math.ceil(reach) - 1, math.ceil(reach) + 2)
+    source = wav.astype(np.float64)
+    out = np.empty(target_length, dtype=np.float64)
+    for start in range(0, target_length, _DIRECT_BLOCK):
+        m = np.arange(start, min(start + _DIRECT_BLOCK, target_length))
+        centre = (m * orig) // new
+        p = centre[:, None] + taps[None, :]
+        t = np.clip((p / orig - m[:, None] / new) * base_freq, -lowpass_filter_width, lowpass_filter_width)
+        window = np.cos(t * math.pi / lowpass_filter_width / 2) ** 2
+        t = t * math.pi
+        with np.errstate(invalid="ignore", divide="ignore"):
+            sinc = np.where(t == 0, 1.0, np.sin(t) / t)
+        valid = (p >= 0) & (p < source.size)
+        samples = np.where(valid, source[np.clip(p, 0, source.size - 1)], 0.0)
+        out[m] = np.sum(samples * sinc * window, axis=1) * (base_freq / orig)
+    return out.astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------------- Kaldi fbank
@@ -257,8 +298,8 @@ def extract_prompt(wav: np.ndarray, sr: int, campplus_session: ort.InferenceSess
     speech_tokenizer_v2.onnx.
     """
     wav = _to_mono(wav)
-    if sr < SPEAKER_SAMPLE_RATE:
-        raise InputError(f"prompt audio must be sampled at {SPEAKER_SAMPLE_RATE} Hz or more, got {sr} Hz")
+    if not MIN_PROMPT_RATE <= sr <= MAX_PROMPT_RATE:  # lower rates are upsampled; the resampler takes any pair
+        raise InputError(f"prompt audio must be sampled at {MIN_PROMPT_RATE}-{MAX_PROMPT_RATE} Hz, got {sr} Hz")
     seconds = wav.shape[0] / sr
     if seconds > MAX_PROMPT_SECONDS:
         raise InputError(f"prompt audio is {seconds:.1f} s long; at most {MAX_PROMPT_SECONDS:.0f} s is supported")
