@@ -15,6 +15,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import soundfile as sf
+from pydub import AudioSegment
+from pydub.exceptions import CouldntDecodeError
 
 from cosyedge.device.audio import check_format, check_sample_rate, encode
 from cosyedge.device.engine import Engine
@@ -32,10 +34,14 @@ class Line:
 
 def read_lines(path: Path) -> list[Line]:
     """`.csv` with columns id,text (header optional) or `.txt` with one text per line (ids = line numbers)."""
+    if path.is_dir():
+        raise InputError(f"input {path.name!r} is a directory; give a .txt or .csv file")
     try:
         raw = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(f"input file {path.name!r} does not exist") from None
+    except OSError:
+        raise InputError(f"input file {path.name!r} cannot be read") from None
     except UnicodeDecodeError:
         raise InputError(f"input file {path.name!r} is not UTF-8 text") from None
     lines: list[Line] = []
@@ -57,14 +63,30 @@ def read_lines(path: Path) -> list[Line]:
 
 
 def _complete(path: Path) -> bool:
+    """A finished output decodes to some audio; anything else (empty, corrupt, foreign) is made again."""
     if not path.is_file() or path.stat().st_size == 0:
         return False
+    if path.suffix == ".pcm":
+        return path.stat().st_size % 2 == 0
     if path.suffix in (".wav", ".flac"):
         try:
             return sf.info(str(path)).frames > 0
-        except RuntimeError:
+        except (RuntimeError, sf.LibsndfileError):
             return False
-    return True
+    try:  # compressed formats: decode through ffmpeg, as a player would
+        return len(AudioSegment.from_file(str(path))) > 0
+    except (CouldntDecodeError, OSError, IndexError):
+        return False
+
+
+def _out_dir(path: Path) -> Path:
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--out-dir {path.name!r} is a file; give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        raise InputError(f"--out-dir {path.name!r} cannot be created") from None
+    return path
 
 
 def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", voice: str | None = None,
@@ -72,7 +94,7 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", 
     """Synthesize every line not yet done; return a summary (done, skipped, failed, audio seconds, RTF)."""
     fmt, sample_rate = check_format(fmt), check_sample_rate(sample_rate)
     engine.request(voice=voice, speed=speed)  # fail fast on a bad voice or speed, before any line
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _out_dir(out_dir)
     todo = [line for line in lines if not _complete(out_dir / f"{line.key}.{fmt}")]
     summary = {"total": len(lines), "skipped": len(lines) - len(todo), "done": 0, "failed": 0,
                "audio_s": 0.0, "compute_s": 0.0}
@@ -88,9 +110,10 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", 
                 partial = target.with_name(f".{target.name}.partial")
                 partial.write_bytes(encode(segment, fmt, sample_rate))
                 partial.replace(target)
-            except CosyedgeError as exc:
+            except Exception as exc:  # noqa: BLE001 - one line's failure (input, runtime, encoder) never ends the job
                 summary["failed"] += 1
-                dead.write(json.dumps({"id": line.key, "text": line.text, "error": str(exc),
+                error = str(exc) if isinstance(exc, CosyedgeError) else f"{type(exc).__name__}: {exc}"
+                dead.write(json.dumps({"id": line.key, "text": line.text, "error": error,
                                        "time": datetime.now(timezone.utc).isoformat(timespec="seconds")},
                                       ensure_ascii=False) + "\n")
                 dead.flush()
