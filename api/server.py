@@ -20,7 +20,7 @@ from cosyedge.api.sdnotify import notify, watchdog_interval
 from cosyedge.device.errors import InputError
 
 log = logging.getLogger("cosyedge.serve")
-DRAIN_SECONDS = 10.0  # below the segments' TimeoutStopSec=20
+DRAIN_SECONDS = 10.0  # below the units' TimeoutStopSec=20
 
 
 class _Stop(Exception):
