@@ -15,7 +15,7 @@ import numpy as np
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.errors import InputError
 from cosyedge.device.pipeline import SynthesisOptions, Segment
-from cosyedge.device.sessions import SessionConfig, create_session
+from cosyedge.device.sessions import SessionConfig
 
 
 class VitsPipeline:
@@ -37,7 +37,7 @@ class VitsPipeline:
         self._phonemizer = EspeakPhonemizer()
         self._espeak_lock = threading.Lock()  # espeak-ng keeps global state: one caller at a time
         component = bundle.component("vits", precision)
-        self._session = create_session(bundle.path(component.file), sessions)
+        self._session = sessions.create(bundle.path(component.file))
         self._has_sid = any(i.name == "sid" for i in self._session.get_inputs())
         self._precision = precision
 

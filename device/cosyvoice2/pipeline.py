@@ -34,7 +34,7 @@ from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
 from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
 from cosyedge.device.errors import BundleError, InputError, UnknownVoiceError
 from cosyedge.device.pipeline import SynthesisOptions, Segment
-from cosyedge.device.sessions import SessionConfig, create_session
+from cosyedge.device.sessions import SessionConfig
 from cosyedge.device.voice_store import check_voice_name
 
 MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
@@ -57,7 +57,7 @@ class CosyVoice2Pipeline:
         if missing:
             raise BundleError(f"bundle {bundle.root.name!r} has no graph {missing[0]!r} for {precision!r}")
         self._precision = {name: graphs[name].precision for name in STAGES}
-        self._sessions = {name: create_session(bundle.path(graphs[name].file), sessions) for name in STAGES}
+        self._sessions = {name: sessions.create(bundle.path(graphs[name].file)) for name in STAGES}
         s = self._sessions
         try:
             self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
@@ -216,9 +216,10 @@ class CosyVoice2Pipeline:
         """CAM++ and the speech tokenizer, created on first use (CPU: the official code runs them there)."""
         with self._prompt_lock:
             if self._prompt_models is None:
-                cpu = SessionConfig(providers=("cpu",), intra_op_threads=self._session_config.intra_op_threads)
+                cpu = SessionConfig(providers=("cpu",), intra_op_threads=self._session_config.intra_op_threads,
+                                    session_factory=self._session_config.session_factory)
                 self._prompt_models = tuple(
-                    create_session(self._bundle.path(self._bundle.component(name, "fp32").file), cpu)
+                    cpu.create(self._bundle.path(self._bundle.component(name, "fp32").file))
                     for name in ("campplus", "speech_tokenizer"))
             return self._prompt_models
 

@@ -9,7 +9,7 @@ runtime's (`device.cosyvoice2.streaming`), the compute is torch. Only what is ti
 the bench's ratios compare the engines, not the recipes.
 
 Worker process: `python -m cosyedge.quantize.cosyvoice2.reference --worker RELEASE_DIR --threads 2` speaks the bench
-protocol of `device.bench_cosyvoice.serve` (torch lives only in this process).
+protocol of `cosyedge.device.bench.worker.serve` (torch lives only in this process).
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from cosyedge.device.bench_cosyvoice import TEXTS, WARMUP_TOKENS, Backend, Settings, StageClock, serve
+from cosyedge.device.bench.clocks import StageClock
+from cosyedge.device.bench.worker import Backend, Settings, serve
 from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
 from cosyedge.device.cosyvoice2.flow import FlowPrompt
 from cosyedge.device.cosyvoice2.frontend import TextFrontend
@@ -134,10 +135,7 @@ class ReferencePipeline(Backend):
         self._inputs: ModeInputs = voice.inputs(None, (), c.mel_bins)
         self.sample_rate = int(release.hparams["sample_rate"])
         self.samples_per_token = hift.cfg.samples_per_frame * c.token_mel_ratio
-        for stream in (False, True):
-            _, chunks = self.synthesize(TEXTS[1], stream, Settings(WARMUP_TOKENS, "greedy"), 0)
-            for _ in chunks:
-                pass
+        self.warm_up()
 
     def describe(self) -> dict[str, Any]:
         return {"backend": "reference", "bundle": self._name, "precision": dict.fromkeys(STAGE_GRAPHS, "fp32"),

@@ -17,7 +17,9 @@ def test_blocker_really_blocks(torch_blocked_env, default_bundle_path):
 
 def test_runtime_and_api_work_without_torch(torch_blocked_env, default_bundle_path):
     code = (
-        "import cosyedge.device.engine, cosyedge.device.cli, cosyedge.device.bench, cosyedge.device.jobs\n"
+        "import cosyedge.device.engine, cosyedge.device.cli, cosyedge.device.jobs\n"
+        "import cosyedge.device.bench.cli, cosyedge.device.bench.cosyvoice, cosyedge.device.bench.worker\n"
+        "import cosyedge.device.bench.engine, cosyedge.device.bench.graphs, cosyedge.device.bench.decode\n"
         "import cosyedge.api.app, cosyedge.api.server, cosyedge.api.batcher\n"
         "from cosyedge.device.engine import Engine\n"
         "e = Engine.load()\n"

@@ -113,7 +113,7 @@ def test_full_size_preset_yaml_has_the_real_sizes(tiny_release, tmp_path):
 
 
 def test_bench_graphs_reports_every_stage(tiny_release, tmp_path):
-    from cosyedge.device.bench import run_graph_bench
+    from cosyedge.device.bench.graphs import run_graph_bench
     report = run_graph_bench(write_bundle(tiny_release, tmp_path / "b"), tokens=12, prompt=9, threads=1, repeats=1)
     assert set(report["graph_ms"]) == {"llm_prefill", "llm_decode_per_token", "flow_encoder", "flow_estimator_call",
                                        "hift_source", "hift_decoder"}

@@ -1,6 +1,6 @@
 """Aggregate LLM decode throughput of the `DecodeScheduler` at several concurrencies (issue 6: >= 4x at 8 vs 1).
 
-`python -m cosyedge.device.cosyvoice2.decode_bench BUNDLE [--rows 1 4 8] [--tokens 40] [--providers cpu] [--threads 0]`
+`python -m cosyedge.device.bench.decode BUNDLE [--rows 1 4 8] [--tokens 40] [--providers cpu] [--threads 0]`
 
 Only the two LLM graphs are loaded (one `SpeechLM`, one scheduler), so the full-size bundle fits beside other work.
 Every request has a zero-shot-sized prompt (a bundle voice's prompt text and speech tokens plus a 20-token text)
@@ -23,13 +23,13 @@ from cosyedge.device.bundle import Bundle
 from cosyedge.device.cosyvoice2.llm import DecodeConfig, SpeechLM
 from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
 from cosyedge.device.cosyvoice2.voices import Voice
-from cosyedge.device.sessions import SessionConfig, create_session
+from cosyedge.device.sessions import SessionConfig
 
 
 def load(bundle_path: Path, sessions: SessionConfig) -> tuple[SpeechLM, Voice]:
     bundle = Bundle.load(bundle_path, precision="fp32")
     cfg = bundle.manifest.config
-    prefill, decode = (create_session(bundle.path(bundle.component(name, "fp32").file), sessions)
+    prefill, decode = (sessions.create(bundle.path(bundle.component(name, "fp32").file))
                        for name in ("llm_prefill", "llm_decode"))
     lm = SpeechLM(prefill, decode, bundle.asset("embed_tokens"), bundle.asset("speech_embedding"),
                   bundle.asset("llm_embedding"), DecodeConfig.from_config(cfg))

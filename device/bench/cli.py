@@ -1,0 +1,119 @@
+"""The `bench` and `bench-graphs` commands, added to the `cosyedge` parser by `register(subparsers)`
+(entry point group `cosyedge.commands`). Benchmark modules are imported only when a command runs."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from cosyedge.device.cli import _writable  # the CLI's one output-path check (no copy here)
+from cosyedge.device.errors import InputError
+
+
+def _bundle_family(bundle: str | None) -> str:
+    if bundle is None:
+        return "vits"
+    from cosyedge.device.bundle import Bundle
+    return Bundle.load(bundle, verify=False).manifest.family
+
+
+def _parse_list(value: str, option: str, parse: Callable[[str], Any]) -> list:
+    try:
+        return [parse(item.strip()) for item in value.split(",") if item.strip()]
+    except (KeyError, ValueError):
+        raise InputError(f"{option}: cannot read {value!r}") from None
+
+
+def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
+    from cosyedge.device.bench.chart import CHART_HINT, write_chart
+    from cosyedge.device.bench.cosyvoice import TEXTS, run_cosyvoice_bench
+    from cosyedge.device.bench.report import cosyvoice_table, write_json
+    concurrency = _parse_list(args.concurrency or "1,4,8", "--concurrency", int)
+    streams = _parse_list(args.stream or "on,off", "--stream", {"on": True, "off": False}.__getitem__)
+    if not concurrency or not streams:
+        raise InputError("--concurrency and --stream need at least one value")
+    count = len(TEXTS) if args.texts is None else args.texts
+    if not 1 <= count <= len(TEXTS):
+        raise InputError(f"--texts must be 1-{len(TEXTS)}")
+    chart = _writable(Path(args.chart)) if args.chart else None
+    out = _writable(Path(args.json)) if args.json else None
+    report = run_cosyvoice_bench(Path(args.bundle), args.precisions.split(","), concurrency=concurrency,
+                                 streams=list(dict.fromkeys(streams)), tokens=args.tokens,
+                                 reference=Path(args.reference) if args.reference else None, threads=args.threads,
+                                 texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling,
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(cosyvoice_table(report))
+    if out:
+        write_json(report, out)
+    if chart:
+        if write_chart(report, chart) is None:
+            print(f"chart: not written; {CHART_HINT}", file=sys.stderr)
+        else:
+            print(f"chart: {chart.name} (bars numbered in table order)", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if _bundle_family(args.bundle) == "cosyvoice2":
+        return cmd_bench_cosyvoice(args)
+    from cosyedge.device.bench.engine import run_bench
+    from cosyedge.device.bench.report import engine_table, write_json
+    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts")
+             if getattr(args, name) is not None]
+    if given:
+        raise InputError(f"--{given[0]} applies to CosyVoice bundles only")
+    report = run_bench(args.bundle, args.precisions.split(","), rounds=args.rounds or 3, threads=args.threads,
+                       peer=not args.no_peer)
+    print(engine_table(report))
+    if args.json:
+        write_json(report, Path(args.json))
+    else:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_bench_graphs(args: argparse.Namespace) -> int:
+    from cosyedge.device.bench.graphs import run_graph_bench
+    from cosyedge.device.bench.report import write_json
+    report = run_graph_bench(Path(args.bundle), precision=args.precision, tokens=args.tokens, prompt=args.prompt,
+                             threads=args.threads, repeats=args.repeats)
+    if args.json:
+        write_json(report, Path(args.json))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` and `bench-graphs` to the `cosyedge` parser."""
+    p = sub.add_parser("bench", help="measure real-time factor, precisions side by side")
+    p.add_argument("--bundle")
+    p.add_argument("--precisions", default="fp32,int8",
+                   help="those the bundle has are measured (CosyVoice: also quantize targets, e.g. fp32,cpu)")
+    p.add_argument("--rounds", type=int, help="passes over the text set (default: 3 Piper, 1 CosyVoice)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-peer", action="store_true", help="skip the piper-tts reference runner")
+    p.add_argument("--json", help="write the report to this file")
+    cv = p.add_argument_group("CosyVoice bundles")
+    cv.add_argument("--concurrency", help="concurrent requests, comma list (default 1,4,8)")
+    cv.add_argument("--stream", help="on, off or on,off (default both)")
+    cv.add_argument("--tokens", type=int, help="pin every segment to N speech tokens (random-weight bundles never stop)")
+    cv.add_argument("--reference", metavar="MODEL_DIR",
+                    help="also run the PyTorch reference of this release (fp32, concurrency 1), interleaved")
+    cv.add_argument("--chart", help="write a PNG bar chart (RTF, first-chunk p50, throughput per run); "
+                                    "needs matplotlib: pip install cosyedge[chart]")
+    cv.add_argument("--texts", type=int, help="use the first N texts of the fixed set (zh and en alternate)")
+    cv.add_argument("--sampling", choices=["greedy", "default"], default="greedy",
+                    help="greedy (no NSF noise) or the release's sampler")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-graphs", help="per-graph ONNX Runtime latency of a CosyVoice bundle (pinned lengths)")
+    p.add_argument("bundle")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--tokens", type=int, default=250, help="speech tokens generated (250 = 10 s of audio)")
+    p.add_argument("--prompt", type=int, default=137, help="LLM prompt positions")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", help="also write the report to this file")
+    p.set_defaults(func=cmd_bench_graphs)

@@ -1,0 +1,140 @@
+"""The bench package: sessions injected through `SessionConfig.session_factory` (never monkeypatched), the
+report tables, and the chart with and without the optional matplotlib extra."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cosyedge.device.bench.clocks import GRAPH_STAGE, StageClock, TimedSession, graph_name, timing_factory
+from cosyedge.device.bench.report import cosyvoice_table, engine_table
+from cosyedge.device.sessions import SessionConfig, create_session
+
+STAGE_SUM = {"frontend": 0.0, "llm_prefill": 0.1, "llm_decode": 0.4, "flow": 0.3, "hift": 0.2}
+
+
+def _run(backend: str, precision: str, concurrency: int, stream: bool, rtf: float) -> dict[str, Any]:
+    return {"backend": backend, "bundle": "b", "precision": dict.fromkeys(GRAPH_STAGE, precision),
+            "concurrency": concurrency, "stream": stream, "audio_s": 2.0, "wall_s": 1.0, "rtf": rtf,
+            "first_chunk_s_p50": 0.2 if stream else None, "first_chunk_s_p95": 0.3 if stream else None,
+            "llm_ms_per_token": 5.0, "stage_s": STAGE_SUM, "peak_rss_mb": 300.0, "throughput_audio_s_per_s": 2.0}
+
+
+REPORT = {"machine": {}, "runs": [_run("device", "fp32", 1, True, 0.5), _run("device", "int8", 1, False, 0.25),
+                                  _run("reference", "fp32", 1, True, 1.0), _run("reference", "fp32", 1, False, 1.0)]}
+
+
+class CountingFactory:
+    """A session factory that counts the sessions it makes and the graph calls that reach them."""
+
+    def __init__(self, create=create_session) -> None:
+        self.created: list[str] = []
+        self.runs: Counter[str] = Counter()
+        self._create = create
+
+    def __call__(self, path: Path, config: SessionConfig) -> Any:
+        name = graph_name(path)
+        self.created.append(name)
+        session = self._create(path, config)
+        factory = self
+
+        class Counted:
+            def run(self, *args: Any, **kwargs: Any) -> Any:
+                factory.runs[name] += 1
+                return session.run(*args, **kwargs)
+
+            def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:  # the LLM graphs (llm.py)
+                factory.runs[name] += 1
+                return session.run_with_iobinding(*args, **kwargs)
+
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(session, attr)
+
+        return Counted()
+
+
+class FakeSession:
+    def run(self, *args: Any, **kwargs: Any) -> list:
+        return []
+
+
+def test_session_config_creates_through_the_injected_factory(tmp_path):
+    made = []
+    config = SessionConfig(providers=("cpu",), session_factory=lambda path, cfg: made.append((path.name, cfg)) or "s")
+    assert config.create(tmp_path / "vits.fp32.onnx") == "s"
+    assert made == [("vits.fp32.onnx", config)]
+
+
+def test_timing_factory_times_stage_graphs_only():
+    clock = StageClock()
+    counting = CountingFactory(create=lambda path, config: FakeSession())
+    factory = timing_factory(clock, counting)
+    decode = factory(Path("trt_llm_decode.int8.onnx"), SessionConfig())
+    campplus = factory(Path("campplus.fp32.onnx"), SessionConfig())
+    assert isinstance(decode, TimedSession) and not isinstance(campplus, TimedSession)
+    decode.run(None, {})
+    decode.run(None, {})
+    assert counting.created == ["llm_decode", "campplus"] and counting.runs == {"llm_decode": 2}
+    seconds = clock.take()
+    assert seconds["llm_decode"] > 0 and seconds["flow"] == 0
+    assert clock.take()["llm_decode"] == 0  # take() starts again from zero
+
+
+def test_device_worker_times_the_sessions_of_an_injected_factory(cv2_tiny_bundle):
+    from cosyedge.device.bench.worker import TEXTS, DeviceBackend, Settings, run_batch
+    counting = CountingFactory()
+    backend = DeviceBackend(cv2_tiny_bundle, "fp32", threads=1, create=counting)
+    assert sorted(counting.created) == sorted(GRAPH_STAGE)  # one session per stage graph, all through the factory
+    counting.runs.clear()
+    reply = run_batch(backend, [TEXTS[1]], stream=False, settings=Settings(tokens=3, sampling="greedy"))
+    assert counting.runs["llm_prefill"] >= 1 and counting.runs["llm_decode"] >= 2
+    assert counting.runs["flow_estimator"] >= 1 and counting.runs["hift_decoder"] >= 1
+    for graph, stage in GRAPH_STAGE.items():  # every call that reached a session was timed on its stage
+        assert (reply["stage_s"][stage] > 0) >= (counting.runs[graph] > 0)
+    assert reply["audio_s"] > 0 and reply["decode_steps"] >= 2
+
+
+def test_tables_number_the_runs_and_compare_with_the_reference():
+    table = cosyvoice_table(REPORT)
+    lines = table.splitlines()
+    assert lines[0].split()[:3] == ["#", "backend", "precision"] and lines[1].split()[:2] == ["1", "device"]
+    assert "device fp32 / reference RTF, stream on: 0.500" in table
+    assert "device int8 / reference RTF, stream off: 0.250" in table
+    vits = {"results": {"cosyedge-fp32": {"rtf": 0.1, "sentences": [{"text": "Hello.", "rtf": 0.1}]}}}
+    assert engine_table(vits).splitlines()[-1].split() == ["TOTAL", "RTF", "0.1000"]
+
+
+def test_chart_is_a_real_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from cosyedge.device.bench.chart import write_chart
+    path = write_chart(REPORT, tmp_path / "chart.png")
+    assert path == tmp_path / "chart.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with Image.open(path) as image:
+        image.load()
+        width, height = image.size
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert width >= 400 and height >= 200
+    assert len(colours) > 10  # bars, text and axes were drawn, not an empty canvas
+
+
+_NO_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None  # any `import matplotlib...` now fails\n"
+
+
+def test_without_matplotlib_the_bench_writes_json_and_table_and_names_the_extra(cv2_tiny_bundle, tmp_path):
+    out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--bundle", str(cv2_tiny_bundle), "--concurrency", "1", "--stream", "off", "--tokens", "3",
+            "--texts", "1", "--threads", "1", "--json", str(out), "--chart", str(chart)]
+    code = _NO_MATPLOTLIB + f"from cosyedge.device.cli import main\nsys.exit(main({argv!r}))\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(out.read_text(encoding="utf-8"))["runs"] and "rtf" in result.stdout
+    assert not chart.exists()
+    hints = [line for line in result.stderr.splitlines() if "pip install cosyedge[chart]" in line]
+    assert len(hints) == 1 and "Traceback" not in result.stderr
