@@ -200,7 +200,7 @@ def run_fuzz(url: str, requests: int = 300, seed: int = 0, text_cap: int = 40, b
                                    stats)
             except Exception as exc:  # noqa: BLE001 - schemathesis cannot generate this mode here
                 if rounds == 0:
-                    stats.not_generated.append(f"{label} {mode.value}: {type(exc).__name__}: {str(exc)[:80]}")
+                    stats.not_generated.append(f"{label} {mode.value} ({type(exc).__name__})")
                 continue
             if sent >= budget_here:
                 still.append((operation, mode, label))

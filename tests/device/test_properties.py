@@ -196,7 +196,7 @@ def _check_damage(copy: tuple[Path, dict[str, bytes]], rel: str, how: tuple) -> 
 @settings(SETTINGS, max_examples=24)
 @given(data=st.data())
 def test_default_bundle_damage_is_a_bundle_error_naming_the_file(default_copy, data):
-    root, files = default_copy
+    _, files = default_copy
     rel = data.draw(st.sampled_from(sorted(files)), label="file")
     _check_damage(default_copy, rel, data.draw(damage, label="damage"))
 
@@ -204,7 +204,7 @@ def test_default_bundle_damage_is_a_bundle_error_naming_the_file(default_copy, d
 @settings(SETTINGS, max_examples=40)
 @given(data=st.data())
 def test_cosyvoice2_bundle_damage_is_a_bundle_error_naming_the_file(cv2_copy, data):
-    root, files = cv2_copy
+    _, files = cv2_copy
     rel = data.draw(st.sampled_from(sorted(files)), label="file")
     _check_damage(cv2_copy, rel, data.draw(damage, label="damage"))
 
