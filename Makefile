@@ -5,7 +5,7 @@ PIP     = $(VENV)/bin/pip install -q -c constraints.txt
 BIN     = $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test quantize bench bench-api serve system-deps runtime buildhost install-service clean
+.PHONY: demo test fuzz load quantize bench bench-api serve system-deps runtime buildhost install-service clean
 
 system-deps:  ## Debian packages: ffmpeg (pydub's encoder), systemd-analyze (unit checks)
 	@command -v ffmpeg >/dev/null && command -v systemd-analyze >/dev/null || \
@@ -27,6 +27,16 @@ demo: runtime  ## speak a sentence with the embedded default voice into demo.wav
 
 test: buildhost  ## the whole test suite (what CI runs)
 	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+
+FUZZ_REQUESTS ?= 10000
+FUZZ_SEED ?= 0
+fuzz: buildhost  ## schemathesis campaign against a fresh service's /openapi.json (FUZZ_REQUESTS, FUZZ_SEED); figures in fuzz.json
+	$(BIN)/python -m cosyedge.api.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED) --json fuzz.json $(FUZZ_ARGS)
+
+LOAD_CLIENTS ?= 64
+LOAD_SECONDS ?= 60
+load: buildhost  ## LOAD_CLIENTS concurrent clients for LOAD_SECONDS against a fresh default-voice service; figures in load.json
+	$(BIN)/python -m cosyedge.api.load --clients $(LOAD_CLIENTS) --seconds $(LOAD_SECONDS) --json load.json $(LOAD_ARGS)
 
 MODEL_DIR ?=
 OUT ?= bundles/$(notdir $(abspath $(MODEL_DIR)))
@@ -53,4 +63,4 @@ install-service:  ## venv in /opt/cosyedge, units, /etc/cosyedge/cosyedge.env (s
 	$(SUDO) systemd/install.sh
 
 clean:
-	rm -rf $(VENV) demo.wav bundles *.egg-info
+	rm -rf $(VENV) demo.wav fuzz.json load.json bundles *.egg-info
