@@ -90,7 +90,8 @@ def write_random_release(preset: str, template: Path, out: Path, seed: int = 0) 
     hparams = read_yaml(out / YAML_NAME)
     torch.manual_seed(seed)
     for name, build in (("llm.pt", lambda: _llm(hparams, qwen, float(spec.get("llm_decoder_gain", 1.0)))),
-                        ("flow.pt", lambda: build_flow_random(hparams)), ("hift.pt", lambda: build_hift_random(hparams))):
+                        ("flow.pt", lambda: build_flow_random(hparams)),
+                        ("hift.pt", lambda: build_hift_random(hparams))):
         module = build()
         torch.save(module.state_dict(), out / name)
         del module

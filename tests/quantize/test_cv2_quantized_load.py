@@ -62,7 +62,8 @@ def test_tiny_preset_has_the_golden_tiny_sizes(gated_release, golden_dir, releas
     from cosyedge.quantize.cosyvoice2.release import Release
     ours = Release.open(gated_release)
     assert ours.qwen_config == release.qwen_config
-    assert (gated_release / "cosyvoice2.yaml").read_text() == (golden_dir / "cosyvoice2-tiny/cosyvoice2.yaml").read_text()
+    yaml = "cosyvoice2.yaml"
+    assert (gated_release / yaml).read_text() == (golden_dir / "cosyvoice2-tiny" / yaml).read_text()
     for name in ("llm.pt", "flow.pt", "hift.pt"):
         a, b = ours.checkpoint(name), release.checkpoint(name)
         assert {k: tuple(v.shape) for k, v in a.items()} == {k: tuple(v.shape) for k, v in b.items()}, name
