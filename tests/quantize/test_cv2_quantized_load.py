@@ -1,0 +1,215 @@
+"""The quantized targets run in the device runtime from a bundle whose quantized stages really are in it (issue 10,
+item 8).
+
+On the golden tiny release every int8 flow / HiFT and every trt-int8 stage misses its gate and falls back
+(test_cv2_precision.py), so that bundle never makes the runtime load an int8 flow, an int8 HiFT or a QDQ graph.
+Here the release is `random_init`'s `cosyvoice2-tiny` preset: the golden tiny sizes with the modules' default
+PyTorch initialisation, on which every quantized stage of every target passes the unchanged gates
+(gates.THRESHOLDS; no --allow-fallback, nothing overridden). The bundle is built once for the module, in process
+(torch on one thread: tests/quantize/conftest.py); then for each target:
+
+* the manifest puts every stage the target quantizes at int8 (cpu: MatMulNBits LLM, QDQ flow estimator and HiFT
+  decoder; trt-int8: the `trt_*` QDQ graphs), each with a passed gate report and no fallback, and those files hold
+  quantized operators;
+* the runtime opens exactly those files (every ONNX Runtime session it creates is recorded) and never the fp32
+  graph of a quantized stage; its describe() reports the target's precisions;
+* greedy speech tokens equal fp32's up to the first position where the fp32 choice is not decisive (top-1 margin
+  < gates.DECISIVE_NATS, the gate's own criterion); the audio is finite, |x| <= 1 and exactly tokens x
+  token_mel_ratio x hift_upsample samples long;
+* flow + HiFT of the target on fp32's tokens differ from fp32 (quantized numerics ran) yet stay within the HiFT
+  gate's SNR of it.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from cosyedge.device.bundle import Bundle
+from cosyedge.quantize.cosyvoice2 import precision
+from cosyedge.quantize.cosyvoice2.bundle import write_bundle
+from cosyedge.quantize.cosyvoice2.gates import DECISIVE_NATS, THRESHOLDS, GateConfig, Gates, log_softmax
+from cosyedge.quantize.cosyvoice2.random_init import write_random_release
+from cosyedge.quantize.quality import snr_db
+
+pytestmark = pytest.mark.slow
+
+TARGETS = ("cpu", "trt-int8")
+TEXT = "收到好友从远方寄来的生日礼物。"
+VOICE = "tiny_spk_zh"   # zero-shot voice of the template's spk2info: prompt text and prompt speech reach the LLM
+
+
+@pytest.fixture(scope="module")
+def gated_release(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_release("cosyvoice2-tiny", golden_dir / "cosyvoice2-tiny",
+                                tmp_path_factory.mktemp("gated") / "release", seed=0)
+
+
+@pytest.fixture(scope="module")
+def bundle(gated_release: Path) -> Bundle:
+    # no allow_fallback: a missed llm / flow / e2e gate raises; the cpu HiFT (optional int8) is checked below
+    return Bundle.load(write_bundle(gated_release, gated_release.parent / "bundle", targets=TARGETS))
+
+
+def test_tiny_preset_has_the_golden_tiny_sizes(gated_release, golden_dir, release):
+    """Same yaml, Qwen2 config and (weight-norm folded) state shapes as the golden tiny release; other weights."""
+    import torch
+    from cosyedge.quantize.cosyvoice2.release import Release
+    ours = Release.open(gated_release)
+    assert ours.qwen_config == release.qwen_config
+    yaml = "cosyvoice2.yaml"
+    assert (gated_release / yaml).read_text() == (golden_dir / "cosyvoice2-tiny" / yaml).read_text()
+    for name in ("llm.pt", "flow.pt", "hift.pt"):
+        a, b = ours.checkpoint(name), release.checkpoint(name)
+        assert {k: tuple(v.shape) for k, v in a.items()} == {k: tuple(v.shape) for k, v in b.items()}, name
+        assert all(not torch.equal(a[k], b[k]) for k in a if a[k].numel() > 1 and a[k].std() > 0), name
+
+
+def _expected(target: str) -> dict[str, dict[str, str]]:
+    """Graph -> {component, precision} when every stage of `target` is at the bottom of its ladder (int8)."""
+    return {v.graph: {"component": v.component, "precision": v.precision}
+            for stage, ladder in precision.LADDERS[target].items()
+            for v in precision.stage_variants(target, stage, ladder[0])}
+
+
+def _quantized(target: str) -> dict[str, dict[str, str]]:
+    return {g: ref for g, ref in _expected(target).items() if ref["precision"] == "int8"}
+
+
+def _sessions():
+    from cosyedge.device.sessions import SessionConfig
+    return SessionConfig(providers=("cpu",), intra_op_threads=1)
+
+
+def _load(bundle: Bundle, target: str):
+    """Engine.load with the runtime's target selection (`target=` once the device contract has it)."""
+    from cosyedge.device.engine import Engine
+    key = "target" if "target" in inspect.signature(Engine.load).parameters and target != "fp32" else "precision"
+    return Engine.load(bundle.root, sessions=_sessions(), warmup=False, **{key: target})
+
+
+@pytest.fixture()
+def opened(monkeypatch) -> list[Path]:
+    """Every graph file an ONNX Runtime session is created from while the test runs."""
+    paths: list[Path] = []
+
+    class Recorded(ort.InferenceSession):
+        def __init__(self, path_or_bytes, *args, **kwargs):
+            paths.append(Path(path_or_bytes).resolve() if isinstance(path_or_bytes, (str, os.PathLike))
+                         else Path("<bytes>"))
+            super().__init__(path_or_bytes, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", Recorded)
+    return paths
+
+
+def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
+    targets, quality = bundle.manifest.config["targets"], bundle.manifest.quality
+    for target in TARGETS:
+        assert targets[target]["stages"] == {"llm": "int8", "flow": "int8", "hift": "int8"}, target
+        assert targets[target]["graphs"] == _expected(target), target
+        for stage in ("llm", "flow", "hift"):
+            report = quality[target][stage]
+            assert report["precision"] == "int8" and report["fallback_from"] is None, (target, stage)
+            assert [a["passed"] for a in report["attempts"]] == [True], (target, stage)
+            assert report["attempts"][0]["thresholds"] == THRESHOLDS[stage]      # the real gates, not overridden
+        e2e = quality[target]["e2e"]["attempts"]
+        assert len(e2e) == 1 and e2e[0]["passed"] and e2e[0]["precision"] == "flow int8, hift int8", target
+        assert e2e[0]["thresholds"] == THRESHOLDS["e2e"]
+        for graph, ref in _quantized(target).items():   # the files themselves are quantized
+            model = onnx.load(str(bundle.path(bundle.component(ref["component"], "int8").file)))
+            ops = {n.op_type for n in model.graph.node}
+            if target == "cpu" and graph.startswith("llm_"):
+                assert "MatMulNBits" in ops, (target, graph)
+            else:
+                assert {"QuantizeLinear", "DequantizeLinear"} <= ops, (target, graph)
+                assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)
+            if target == "trt-int8":
+                assert {o.domain for o in model.opset_import} <= {"", "ai.onnx"}, graph   # TensorRT: standard ops
+    assert set(_quantized("cpu")) == {"llm_prefill", "llm_decode", "flow_estimator", "hift_decoder"}
+    assert set(_quantized("trt-int8")) == {"llm_prefill", "llm_decode", "flow_estimator", "hift_decoder"}
+
+
+def _margins(bundle: Bundle, segment_ids: tuple[int, ...], tokens: list[int]) -> np.ndarray:
+    """fp32 top-1 margin (nats, after the eos rule) at each step of `tokens`, teacher-forced through the fp32
+    graphs by the gate code, from an LLM input built here from the bundle's tables and the voice's prompt."""
+    cfg = bundle.manifest.config
+    gate_config = GateConfig.from_bundle(bundle)
+    fp32 = {g: bundle.path(bundle.component(g, "fp32").file) for g in ("llm_prefill", "llm_decode")}
+    with np.load(bundle.asset(f"voice:{VOICE}")) as voice:
+        prompt_text, prompt_speech = voice["prompt_text_ids"], voice["llm_prompt_speech_token"]
+    ids = np.concatenate([prompt_text, np.asarray(segment_ids, np.int64)])
+    lm_input = np.concatenate([gate_config.llm_embedding[:1], gate_config.embed_tokens[ids],
+                               gate_config.llm_embedding[1:2], gate_config.speech_embedding[prompt_speech]])
+    logits = Gates(gate_config, fp32).llm_logits(fp32, lm_input[None].astype(np.float32), tokens, len(tokens))
+    min_len = int(len(segment_ids) * float(cfg["min_token_text_ratio"]))
+    logits[:min_len, int(cfg["eos"])] = -np.inf
+    assert logits[:len(tokens)].argmax(1).tolist() == tokens   # this LLM input reproduces the runtime's fp32 choices
+    logp = log_softmax(logits)
+    top2 = np.sort(logp, axis=1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+@pytest.fixture(scope="module")
+def reference(bundle):
+    """fp32 run of the same bundle: greedy tokens per segment, their fp32 margins, and the waveform."""
+    engine = _load(bundle, "fp32")
+    assert set(engine.pipeline.describe()["precision"].values()) == {"fp32"}
+    request = engine.request(voice=VOICE, sampling="greedy", deterministic=True)
+    segments = engine.segments(TEXT)
+    tokens = [engine.pipeline.speech_tokens(s, request) for s in segments]
+    margins = [_margins(bundle, s.ids, t) for s, t in zip(segments, tokens)]
+    return {"segments": segments, "tokens": tokens, "margins": margins,
+            "wave": engine.synthesize_waveform(TEXT, voice=VOICE, sampling="greedy", deterministic=True),
+            "streamed": [np.concatenate(list(engine.pipeline.stream_tokens(t, request))) for t in tokens]}
+
+
+def test_fp32_greedy_path_is_mostly_decisive(reference):
+    """Otherwise the token comparison below would compare nothing (default init alone: ~60 % decisive)."""
+    margins = np.concatenate(reference["margins"])
+    assert margins.size >= 50 and (margins >= DECISIVE_NATS).mean() >= 0.8, np.round(margins, 3)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_runtime_loads_and_runs_the_quantized_graphs(bundle, reference, target, opened):
+    engine = _load(bundle, target)
+    graphs = bundle.manifest.config["targets"][target]["graphs"]
+    # the runtime created its sessions from the target's files: every quantized graph, never its fp32 original
+    files = {g: bundle.path(bundle.component(ref["component"], ref["precision"]).file).resolve()
+             for g, ref in graphs.items()}
+    assert set(files.values()) <= set(opened), sorted(p.name for p in opened)
+    for graph in _quantized(target):
+        assert bundle.path(bundle.component(graph, "fp32").file).resolve() not in opened, graph
+    assert engine.pipeline.describe()["precision"] == {g: ref["precision"] for g, ref in graphs.items()}
+    assert {g for g, p in engine.pipeline.describe()["precision"].items() if p == "int8"} == set(_quantized(target))
+
+    request = engine.request(voice=VOICE, sampling="greedy", deterministic=True)
+    segments = engine.segments(TEXT)
+    assert [s.ids for s in segments] == [s.ids for s in reference["segments"]]
+    samples_per_token = int(bundle.manifest.config["token_mel_ratio"]) * int(bundle.manifest.config["hift_upsample"])
+    compared = 0
+    for segment, want, margins in zip(segments, reference["tokens"], reference["margins"]):
+        got = engine.pipeline.speech_tokens(segment, request)
+        assert got, target
+        split = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        if got != want:   # they may part only where fp32 itself was not decisive (a near tie)
+            assert split < len(margins) and margins[split] < DECISIVE_NATS, (target, split, margins[split])
+        compared += split
+        wave = engine.pipeline.synthesize([segment], request)[0]
+        assert wave.dtype == np.float32 and wave.size == len(got) * samples_per_token, target
+        assert np.isfinite(wave).all() and np.abs(wave).max() <= 1.0 and np.abs(wave).max() > 0, target
+    assert compared >= 20, compared   # a real comparison, not a split at the first token
+
+    whole = engine.synthesize_waveform(TEXT, voice=VOICE, sampling="greedy", deterministic=True)
+    assert np.isfinite(whole).all() and whole.size % samples_per_token == 0
+    # flow + HiFT of the target on fp32's tokens: quantized numerics (not bit-equal to fp32), close to fp32
+    for tokens, want in zip(reference["tokens"], reference["streamed"]):
+        got = np.concatenate(list(engine.pipeline.stream_tokens(tokens, request)))
+        assert got.shape == want.shape and np.isfinite(got).all(), target
+        assert not np.array_equal(got, want), target
+        assert THRESHOLDS["hift"]["snr_db_min"] <= snr_db(want, got) < 100, (target, snr_db(want, got))
