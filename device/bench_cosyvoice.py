@@ -228,7 +228,7 @@ class DeviceBackend(Backend):
 
     def __init__(self, bundle: Path, precision: str, threads: int) -> None:
         import cosyedge.device.cosyvoice2.pipeline as cv2_pipeline
-        from cosyedge.device.engine import Engine
+        from cosyedge.device.engine import Engine, selection
         from cosyedge.device.sessions import SessionConfig
 
         self.clock = StageClock()
@@ -241,7 +241,7 @@ class DeviceBackend(Backend):
 
         cv2_pipeline.create_session = timed_session  # this worker process only
         try:
-            self.engine = Engine.load(bundle, precision=precision,
+            self.engine = Engine.load(bundle, **selection(precision),
                                       sessions=SessionConfig(providers=("cpu",), intra_op_threads=threads),
                                       warmup=False)
         finally:
@@ -261,7 +261,7 @@ class DeviceBackend(Backend):
 
     def synthesize(self, text: str, stream: bool, settings: Settings, index: int) -> tuple[int, Iterator[np.ndarray]]:
         greedy = settings.sampling == "greedy"
-        request = replace(self.engine.request(deterministic=greedy, seed=settings.seed + index,
+        request = replace(self.engine.options(deterministic=greedy, seed=settings.seed + index,
                                               sampling=settings.sampling), pin_tokens=settings.tokens)
         with self.clock.timed("frontend"):
             segments = self.engine.segments(text)
