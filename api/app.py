@@ -32,7 +32,7 @@ from cosyedge.api.streaming import audio_stream
 from cosyedge.device.audio import FORMATS, MIME, encode, to_audio_segment
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import InputError, UnknownVoiceError
-from cosyedge.device.pipeline import SPEED_RANGE, SynthesisOptions, Segment
+from cosyedge.device.options import SPEED_RANGE, Segment, SynthesisOptions
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +68,13 @@ class Service:
                                   f"available: {', '.join(voices[:20])}")
             aliases[alias] = target
         self.engine, self.aliases = engine, aliases
-        decode_stats = getattr(engine.pipeline, "decode_stats", None)  # CosyVoice's cross-request LLM batching
-        if decode_stats is not None:
-            for gauge, key in (("cosyedge_decode_steps", "decode_steps"), ("cosyedge_decode_rows_mean", "mean_rows"),
-                               ("cosyedge_decode_active_rows", "active_rows")):
-                self.metrics.gauge(gauge, lambda key=key: float(decode_stats()[key]))
+        for key in engine.stats():  # CosyVoice's cross-request LLM batching: decode_steps, decode_rows_mean, ...
+            self.metrics.gauge(f"cosyedge_{key}", lambda key=key: float(engine.stats()[key]))
         self.batcher = SynthesisQueue(engine, self.metrics, self.config.queue_size, self.config.batch_max,
                                   self.config.batch_timeout, heartbeat, heartbeat_interval)
         self.batcher.start()
         start = time.perf_counter()
-        request_ = engine.request(deterministic=True)
+        request_ = engine.options(deterministic=True)
         future = self.batcher.submit([(engine.segments("Ready."), request_)], time.monotonic() + 600)[0]
         encode(to_audio_segment(self.batcher.wait(future, time.monotonic() + 600), engine.sample_rate), "wav")
         self.ready.set()
@@ -124,7 +121,7 @@ class Service:
     def dead_letter_path(self) -> Path:
         if self.config.state_dir:
             return Path(self.config.state_dir) / DEAD_LETTER
-        from cosyedge.device.default_voice import state_dir
+        from cosyedge.device.paths import state_dir
         return state_dir() / DEAD_LETTER
 
 
@@ -200,7 +197,7 @@ def _engine_request(engine: Engine, voice: str | int | None, speed: float, deter
              "instruct_text": _optional_str(body.get("instruct_text"), "instruct_text"),
              "sampling": _optional_str(body.get("sampling"), "sampling") or "default"}
     try:
-        return engine.request(voice=voice, speed=speed, deterministic=deterministic, seed=seed, **extra)
+        return engine.options(voice=voice, speed=speed, deterministic=deterministic, seed=seed, **extra)
     except UnknownVoiceError as exc:
         raise ApiError(400, "unknown_voice", str(exc)) from None
     except InputError as exc:

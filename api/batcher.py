@@ -22,7 +22,7 @@ import numpy as np
 from cosyedge.api.errors import DeadlineExceeded, QueueFull, ShuttingDown
 from cosyedge.api.metrics import BATCH_BUCKETS, Metrics
 from cosyedge.device.engine import Engine
-from cosyedge.device.pipeline import SynthesisOptions, Segment
+from cosyedge.device.options import Segment, SynthesisOptions
 
 log = logging.getLogger(__name__)
 

@@ -64,11 +64,11 @@ def _local_service(bundle: str | None) -> Iterator[str]:
     from cosyedge.api.app import create_app
     from cosyedge.api.config import load_config
     from cosyedge.api.server import make_server
-    from cosyedge.device.engine import BatchLimits, Engine
+    from cosyedge.device import BatchLimits, Engine
 
     config = load_config(port=0)
     engine = Engine.load(bundle, precision=config.precision,
-                         options=BatchLimits(config.max_text_len, config.batch_max, config.batch_timeout))
+                         limits=BatchLimits(config.max_text_len, config.batch_max, config.batch_timeout))
     app = create_app(config, engine=engine)
     server = make_server(app, "127.0.0.1", 0, config.http_threads)
     thread = threading.Thread(target=server.run, daemon=True)

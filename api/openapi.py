@@ -5,7 +5,7 @@ from typing import Any
 
 from cosyedge.api.config import OPENAI_MODELS, OPENAI_VOICES, ServiceConfig
 from cosyedge.device.audio import FORMATS
-from cosyedge.device.pipeline import SPEED_RANGE
+from cosyedge.device.options import SPEED_RANGE
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 

@@ -35,7 +35,7 @@ def make_server(app: Any, host: str, port: int, threads: int):
 
 
 def serve(config: ServiceConfig) -> int:
-    from cosyedge.device.engine import BatchLimits, Engine
+    from cosyedge.device import BatchLimits, Engine
 
     app = create_app(config)
     service = app.extensions["cosyedge"]
@@ -57,7 +57,7 @@ def serve(config: ServiceConfig) -> int:
     try:
         notify(f"STATUS=loading voice; listening on {config.host}:{port}")
         options = BatchLimits(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
-        engine = Engine.load(config.bundle, precision=config.precision, options=options, state_dir=config.state_dir)
+        engine = Engine.load(config.bundle, precision=config.precision, limits=options, state_dir=config.state_dir)
         interval = watchdog_interval()
         announced = threading.Event()  # systemd enforces the watchdog from READY=1 on; pings start then
         warm = service.start(engine, heartbeat=(lambda: announced.is_set() and notify("WATCHDOG=1"))

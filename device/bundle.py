@@ -16,7 +16,8 @@ from cosyedge.device.errors import BundleError
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 FAMILIES = ("vits", "cosyvoice2", "cosyvoice3")
-PRECISIONS = ("fp32", "fp16", "int8")
+PRECISIONS = ("fp32", "fp16", "int8")  # numeric formats of single graphs
+TARGETS = ("cpu", "gpu-fp16", "trt-int8")  # build targets: per-graph precisions chosen by quality gates
 
 
 def sha256_file(path: Path) -> str:

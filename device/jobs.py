@@ -93,7 +93,7 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", 
               sample_rate: int | None = None, speed: float = 1.0, progress: bool = True) -> dict:
     """Synthesize every line not yet done; return a summary (done, skipped, failed, audio seconds, RTF)."""
     fmt, sample_rate = check_format(fmt), check_sample_rate(sample_rate)
-    engine.request(voice=voice, speed=speed)  # fail fast on a bad voice or speed, before any line
+    engine.options(voice=voice, speed=speed)  # fail fast on a bad voice or speed, before any line
     _out_dir(out_dir)
     todo = [line for line in lines if not _complete(out_dir / f"{line.key}.{fmt}")]
     summary = {"total": len(lines), "skipped": len(lines) - len(todo), "done": 0, "failed": 0,

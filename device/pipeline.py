@@ -1,55 +1,111 @@
-"""The one interface every model family implements, and the per-request options it receives.
+"""The one contract every model family implements: `Pipeline`.
 
-The engine turns text into a list of segments (one per sentence or segment); a pipeline renders
-segments into waveforms. Per-request state lives in `SynthesisOptions` and in local variables, never on the
-pipeline: pipelines are shared by every request thread.
+The engine turns text into segments (one per sentence) and a pipeline turns segments into waveforms. Every
+capability a family may offer is listed here; the optional ones have defaults, so the engine and the API call
+them directly and never probe with `getattr`. A new family (cosyvoice3) fills in the required five methods, sets
+`supports_voice_registration` if it can clone voices, and overrides the defaults it does better.
+
+Per-request state lives in `SynthesisOptions` and in local variables, never on the pipeline: pipelines are shared
+by every request thread.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence
+import abc
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-SPEED_RANGE = (0.25, 4.0)
+from cosyedge.device import text as textmod
+from cosyedge.device.errors import FixedVoicesError, InputError
+from cosyedge.device.options import Segment, SynthesisOptions
+
+Job = tuple[Sequence[Segment], SynthesisOptions]
 
 
-@dataclass(frozen=True)
-class SynthesisOptions:
-    """What one synthesis call asked for, after validation."""
-    voice: str
-    speed: float = 1.0
-    deterministic: bool = False
-    seed: int | None = None
-    sampling: str = "default"  # "default" (the release's sampler) or "greedy"
-    mode: str | None = None  # CosyVoice: zero_shot, sft, cross_lingual, instruct2 (None = the voice's default)
-    instruct_text: str | None = None  # CosyVoice instruct2: how to speak ("用四川话说这句话")
-    pin_tokens: int | None = None  # CosyVoice bench: generate exactly this many speech tokens per segment (no stop)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A model-ready piece of text: the sentence and its token ids (phoneme ids, BPE ids, ...)."""
-    text: str
-    ids: tuple[int, ...]
-
-
-class Pipeline(Protocol):
+class Pipeline(abc.ABC):
     """A model family behind the engine: vits, cosyvoice2, cosyvoice3."""
 
     sample_rate: int
+    supports_voice_registration: bool = False  # True: make_voice / add_voice / load_voice / remove_voice work
 
+    # -- required ---------------------------------------------------------------------------
+    @abc.abstractmethod
     def voices(self) -> list[str]:
         """Voice names in a stable order (numeric speaker ids index into it)."""
 
+    @abc.abstractmethod
     def segments(self, text: str) -> list[Segment]:
-        """Normalised text -> segments; InputError if nothing is left to say."""
+        """Validated text -> segments; EmptyTextError if nothing is left to say."""
 
-    def synthesize(self, segments: Sequence[Segment], request: SynthesisOptions) -> list[np.ndarray]:
-        """Units of one request or of several compatible requests -> one float32 waveform each."""
+    @abc.abstractmethod
+    def synthesize(self, segments: Sequence[Segment], options: SynthesisOptions) -> list[np.ndarray]:
+        """Segments sharing one set of options -> one float32 waveform each."""
 
-    def stream(self, segment: Segment, request: SynthesisOptions) -> Iterator[np.ndarray]:
+    @abc.abstractmethod
+    def stream(self, segment: Segment, options: SynthesisOptions) -> Iterator[np.ndarray]:
         """Waveform chunks of one segment, each yielded as soon as it exists."""
 
+    @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
-        """Precision per stage, providers, sizes: for `cosyedge info` and the bench."""
+        """Precision per stage, providers, sizes: for `cosyedge info`, the bench and /v1/models."""
+
+    # -- optional, with defaults ------------------------------------------------------------
+    def validate_text(self, text: object, max_chars: int) -> str:
+        """Type, emptiness, length and something speakable; returns the text the family's `segments` expects
+        (default: the generic NFKC clean-up; a family whose frontend normalises itself returns the raw text)."""
+        return textmod.validate(text, max_chars)
+
+    def check_options(self, options: SynthesisOptions) -> None:
+        """Refuse options the family cannot honour, before any work is queued (default: no modes, no instruct)."""
+        if options.mode is not None or options.instruct_text is not None:
+            raise InputError("this bundle's model family has no modes or instruct text")
+
+    def synthesize_many(self, jobs: Sequence[Job], batch_max: int) -> list[list[np.ndarray]]:
+        """Several requests at once, one waveform per segment, in job order (what the API's queue feeds).
+
+        Default: segments of equal options run together, sorted by length so padded batches waste little, at most
+        `batch_max` per model call. A family that can mix options in one call (CosyVoice2) overrides this.
+        """
+        flat = [(job, segment, options) for job, (segments, options) in enumerate(jobs) for segment in segments]
+        groups: dict[SynthesisOptions, list[int]] = {}
+        for index, (_, _, options) in enumerate(flat):
+            groups.setdefault(options, []).append(index)
+        waves: dict[int, np.ndarray] = {}
+        for options, indices in groups.items():
+            indices.sort(key=lambda i: len(flat[i][1].ids))
+            for start in range(0, len(indices), batch_max):
+                chunk = indices[start:start + batch_max]
+                waves.update(zip(chunk, self.synthesize([flat[i][1] for i in chunk], options)))
+        per_job: list[list[np.ndarray]] = [[] for _ in jobs]
+        for index, (job, _, _) in enumerate(flat):
+            per_job[job].append(waves[index])
+        return per_job
+
+    def voice_kind(self, name: str) -> str:
+        """How a voice was made: builtin (fixed speakers), sft, zero_shot."""
+        return "builtin"
+
+    def make_voice(self, name: str, wav: np.ndarray, sample_rate: int, prompt_text: str) -> Any:
+        """A new voice from a prompt recording and its transcript (not yet added)."""
+        raise self._fixed()
+
+    def add_voice(self, voice: Any) -> None:
+        """Make a voice from `make_voice` available to later requests."""
+        raise self._fixed()
+
+    def load_voice(self, name: str, path: Path) -> None:
+        """Add a voice registered earlier (a file of the state directory)."""
+        raise self._fixed()
+
+    def remove_voice(self, name: str) -> None:
+        """Forget a registered voice."""
+        raise self._fixed()
+
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics (CosyVoice2: decode_steps, decode_rows_mean, decode_active_rows)."""
+        return {}
+
+    @staticmethod
+    def _fixed() -> FixedVoicesError:
+        return FixedVoicesError("this bundle has fixed voices; registering a voice needs a CosyVoice bundle")

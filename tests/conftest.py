@@ -29,7 +29,7 @@ def cosyedge_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_bundle_path(cosyedge_home: Path) -> Path:
     """The embedded default voice, built the way a fresh box builds it on first use."""
-    from cosyedge.device.default_voice import default_bundle
+    from cosyedge.device.vits.default_voice import default_bundle
     return default_bundle()
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from cosyedge.device.cli import _writable  # the CLI's one output-path check (no copy here)
+from cosyedge.device.cli import writable  # the CLI's one output-path check (no copy here)
 from cosyedge.device.errors import InputError
 
 
@@ -37,8 +37,8 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
     count = len(TEXTS) if args.texts is None else args.texts
     if not 1 <= count <= len(TEXTS):
         raise InputError(f"--texts must be 1-{len(TEXTS)}")
-    chart = _writable(Path(args.chart)) if args.chart else None
-    out = _writable(Path(args.json)) if args.json else None
+    chart = writable(Path(args.chart)) if args.chart else None
+    out = writable(Path(args.json)) if args.json else None
     report = run_cosyvoice_bench(Path(args.bundle), args.precisions.split(","), concurrency=concurrency,
                                  streams=list(dict.fromkeys(streams)), tokens=args.tokens,
                                  reference=Path(args.reference) if args.reference else None, threads=args.threads,

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from cosyedge.device.bench.clocks import peak_rss_mb
-from cosyedge.device.engine import Engine
+from cosyedge.device.engine import Engine, selection
 from cosyedge.device.sessions import SessionConfig
 
 SENTENCES = (
@@ -58,7 +58,7 @@ def _peer(engine: Engine, threads: int) -> PiperPeer | None:
 def run_bench(bundle: Path | None, precisions: list[str], rounds: int = 3, threads: int = 2,
               sentences: tuple[str, ...] = SENTENCES, peer: bool = True) -> dict:
     sessions = SessionConfig(providers=("cpu",), intra_op_threads=threads)
-    engines = {p: Engine.load(bundle, precision=p, sessions=sessions) for p in precisions}
+    engines = {p: Engine.load(bundle, **selection(p), sessions=sessions) for p in precisions}
     runners = {f"cosyedge-{p}": (lambda text, e=e: e.synthesize_waveform(text, deterministic=True), e.sample_rate)
                for p, e in engines.items()}
     piper = _peer(next(iter(engines.values())), threads) if peer else None

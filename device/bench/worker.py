@@ -145,13 +145,13 @@ class DeviceBackend(Backend):
 
     def __init__(self, bundle: Path, precision: str, threads: int,
                  create: SessionFactory = create_session) -> None:
-        from cosyedge.device.engine import Engine
+        from cosyedge.device.engine import Engine, selection
         from cosyedge.device.sessions import SessionConfig
 
         self.clock = StageClock()
         sessions = SessionConfig(providers=("cpu",), intra_op_threads=threads,
                                  session_factory=timing_factory(self.clock, create))
-        self.engine = Engine.load(bundle, precision=precision, sessions=sessions, warmup=False)
+        self.engine = Engine.load(bundle, **selection(precision), sessions=sessions, warmup=False)
         cfg = self.engine.bundle.manifest.config
         self.sample_rate = self.engine.sample_rate
         self.samples_per_token = int(cfg["hift_upsample"]) * int(cfg["token_mel_ratio"])
@@ -164,7 +164,7 @@ class DeviceBackend(Backend):
 
     def synthesize(self, text: str, stream: bool, settings: Settings, index: int) -> tuple[int, Iterator[np.ndarray]]:
         greedy = settings.sampling == "greedy"
-        options = replace(self.engine.request(deterministic=greedy, seed=settings.seed + index,
+        options = replace(self.engine.options(deterministic=greedy, seed=settings.seed + index,
                                               sampling=settings.sampling), pin_tokens=settings.tokens)
         with self.clock.timed("frontend"):
             segments = self.engine.segments(text)

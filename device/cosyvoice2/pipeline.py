@@ -32,8 +32,9 @@ from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
 from cosyedge.device.cosyvoice2.streaming import stream_tokens
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
 from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
-from cosyedge.device.errors import BundleError, InputError, UnknownVoiceError
-from cosyedge.device.pipeline import SynthesisOptions, Segment
+from cosyedge.device.errors import BundleError, EmptyTextError, FixedVoicesError, InputError, UnknownVoiceError
+from cosyedge.device.options import Segment, SynthesisOptions
+from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
 from cosyedge.device.voice_store import check_voice_name
 
@@ -43,8 +44,10 @@ FLOW_ROWS = 8  # rows of one padded flow batch
 STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
-class CosyVoice2Pipeline:
+class CosyVoice2Pipeline(Pipeline):
     """One CosyVoice2 bundle: sessions and tables shared, everything per request passed in."""
+
+    supports_voice_registration = True
 
     def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
         manifest = bundle.manifest
@@ -82,7 +85,7 @@ class CosyVoice2Pipeline:
         self._prompt_models: tuple[Any, Any] | None = None
         self._prompt_lock = threading.Lock()
 
-    # -- Pipeline protocol ------------------------------------------------------------------
+    # -- Pipeline contract ------------------------------------------------------------------
     def voices(self) -> list[str]:
         return list(self._voices)
 
@@ -92,9 +95,9 @@ class CosyVoice2Pipeline:
         textmod.validate(text, max_chars)
         return str(text)
 
-    def check_request(self, request: SynthesisOptions) -> None:
+    def check_options(self, options: SynthesisOptions) -> None:
         """Refuse mode / voice combinations up front (InputError), before any work is queued."""
-        self._mode_inputs(request)
+        self._mode_inputs(options)
 
     def segments(self, text: str) -> list[Segment]:
         with self._frontend_lock:
@@ -102,14 +105,17 @@ class CosyVoice2Pipeline:
         segments = [Segment(text=segment, ids=tuple(self._frontend.encode(segment))) for segment in segments]
         segments = [segment for segment in segments if segment.ids]
         if not segments:
-            raise InputError("text contains nothing speakable for this voice")
+            raise EmptyTextError("text contains nothing speakable for this voice")
         return segments
 
     def synthesize(self, segments: Sequence[Segment], request: SynthesisOptions) -> list[np.ndarray]:
-        return self.synthesize_many([(segments, request)])[0]
+        return self.synthesize_many([(segments, request)], FLOW_ROWS)[0]
 
-    def synthesize_many(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]]) -> list[list[np.ndarray]]:
-        """Several requests at once, one waveform per segment. Every job's segments go to the decode scheduler together
+    def synthesize_many(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]],
+                        batch_max: int) -> list[list[np.ndarray]]:
+        """Several requests at once, one waveform per segment, whatever their options. `batch_max` is not used: the
+        decode scheduler (DECODE_ROWS) and the flow batches (FLOW_ROWS) size themselves. Every job's segments go to
+        the decode scheduler together
         (one group, one Generator) before any job waits, so all of them share decode steps; then the segments of all
         jobs run through the flow in padded batches of similar lengths (each row with its own voice prompt), and
         through HiFT one by one (its non-causal convolutions would see another row's padding). A job's result is
@@ -169,9 +175,12 @@ class CosyVoice2Pipeline:
         yield from self.stream_tokens(self._tokens(segment, inputs, request, np.random.default_rng(seeds)), request,
                                       noise)
 
-    def decode_stats(self) -> dict[str, Any]:
-        """The decode scheduler's counters: steps, rows per step (histogram and mean), prefills, cache rebuilds."""
-        return self._decoder.stats()
+    def stats(self) -> dict[str, float]:
+        """The decode scheduler's gauges for /metrics: steps so far, mean rows per step, rows decoding now
+        (cross-request LLM batching at work). `describe()["decode"]` has the full counters."""
+        stats = self._decoder.stats()
+        return {"decode_steps": float(stats["decode_steps"]), "decode_rows_mean": float(stats["mean_rows"]),
+                "decode_active_rows": float(stats["active_rows"])}
 
     def describe(self) -> dict[str, Any]:
         return {"family": "cosyvoice2", "precision": dict(self._precision),
@@ -197,7 +206,7 @@ class CosyVoice2Pipeline:
     def add_voice(self, voice: Voice) -> None:
         """Make a voice available to later requests (bundle voices cannot be replaced)."""
         if voice.name in self._bundle_voices:
-            raise InputError(f"voice {voice.name!r} is part of the bundle; choose another name")
+            raise FixedVoicesError(f"voice {voice.name!r} is part of the bundle; choose another name")
         self._voices = {**self._voices, voice.name: voice}  # a new dict: readers never see one being resized
 
     def voice_kind(self, name: str) -> str:
@@ -209,7 +218,7 @@ class CosyVoice2Pipeline:
 
     def remove_voice(self, name: str) -> None:
         if name in self._bundle_voices:
-            raise InputError(f"voice {name!r} is part of the bundle and cannot be removed")
+            raise FixedVoicesError(f"voice {name!r} is part of the bundle and cannot be removed")
         self._voices = {k: v for k, v in self._voices.items() if k != name}
 
     def _prompt_sessions(self) -> tuple[Any, Any]:

@@ -16,7 +16,7 @@ import torch
 
 from cosyedge.device.bundle import Bundle, sha256_file
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
+from cosyedge.device.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
 from cosyedge.quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
 from cosyedge.quantize.cosyvoice2.hift import build_hift, export_hift
 from cosyedge.quantize.cosyvoice2.gates import GateConfig

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import numpy as np
 import onnxruntime as ort
 
-from cosyedge.quantize.quality import mel_cepstral_distortion, snr_db
+from cosyedge.device.quality import mel_cepstral_distortion, snr_db
 
 # What "still sounds like fp32" means per stage. LLM: mean KL(fp32 || quantized) of the speech-token distribution
 # and teacher-forced top-1 agreement on decisive positions (fp32 top-1 margin >= DECISIVE_NATS; near-ties flip under

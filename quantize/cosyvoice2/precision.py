@@ -31,7 +31,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-TARGETS = ("cpu", "gpu-fp16", "trt-int8")
+from cosyedge.device.bundle import TARGETS
+
 CPU_LLM_METHOD = "matmul_nbits"   # measured faster than "dynamic" (MatMulInteger) per decode token at full size
 NBITS_BLOCK = 32                  # K values per scale of the 8-bit MatMulNBits weights
 NBITS_ACCURACY_LEVEL = 4          # int8 activations inside MatMulNBits (VNNI / SDOT kernels)

@@ -20,14 +20,15 @@ from cosyedge.api.app import create_app
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.server import make_server
 from cosyedge.device.engine import Engine
-from cosyedge.device.pipeline import Segment
+from cosyedge.device.options import Segment
+from cosyedge.device.pipeline import Pipeline
 
 FAIL_WORD = "kaboom"
 HOLD_WORD = "hold"
 _FAIL, _HOLD = "\x00fail\x00", "\x00hold\x00"
 
 
-class FaultPipeline:
+class FaultPipeline(Pipeline):
     """The real pipeline; segments of text with FAIL_WORD raise in render, with HOLD_WORD wait for `release`."""
 
     def __init__(self, inner: Any) -> None:

@@ -34,10 +34,11 @@ def test_default_bundle_is_valid(default_bundle_path):
     assert manifest.provenance["source_model_sha256"] and manifest.provenance["tool_version"]
     quality = manifest.quality
     assert len(quality["int8"]["sentences"]) == 4 and set(quality["rtf_cpu"]) == {"fp32", "int8"}
-    # int8 only touches the flow: same durations, small distortion, same speaker.
+    # int8 only touches the flow: same durations, small distortion (the speaker check needs torch: the build host's,
+    # tests/quantize/test_quantize_cli.py).
     assert quality["int8"]["passed"] and quality["int8"]["mean_mcd_db"] < 2.0
     assert all(r["samples_fp32"] == r["samples_int8"] for r in quality["int8"]["sentences"])
-    assert quality["int8"]["mean_speaker_cosine"] > 0.95
+    assert "resemblyzer unavailable" in quality["speaker_similarity"] and "speaker_cosine" not in quality["int8"]
     assert manifest.default_precision in quality["default_precision_reason"]
     for comp in manifest.components:
         assert [t.name for t in comp.inputs] == ["input", "input_lengths", "scales"]

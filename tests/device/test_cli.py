@@ -57,6 +57,8 @@ def test_synth_formats_and_sample_rate(home, tmp_path, fmt):
     (["synth", "😀", "-o", "{tmp}/x.wav"], "nothing speakable"),
     (["synth", "hi", "-o", "{tmp}/x.wav", "--bundle", "{tmp}"], "has no manifest.json"),
     (["info", "{tmp}/nothing"], "'nothing' not found"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--target", "cpu"], "has no 'cpu' graphs"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--precision", "cpu"], "invalid choice: 'cpu'"),
 ])
 def test_cli_errors_are_one_clear_line(home, tmp_path, args, message):
     result = cosyedge(*[a.format(tmp=tmp_path) for a in args], env_home=home)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cosyedge.device.engine import Engine
-from cosyedge.device.pipeline import SynthesisOptions
+from cosyedge.device.options import SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
 
 ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
@@ -53,7 +53,7 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     `synthesize_many` call exactly the tokens and audio each gives alone; the decode steps were shared and segments
     of different requests (their own voice prompts) went through one padded flow batch."""
     pipeline, lm = engine.pipeline, engine.pipeline._lm
-    requests = [engine.request(**options) for _, options in JOBS]
+    requests = [engine.options(**options) for _, options in JOBS]
     jobs = [(engine.segments(text), req) for (text, _), req in zip(JOBS, requests)]
     # tokens: the scheduler's rows against the single-prompt / single-group reference decoders
     alone_tokens = []
@@ -64,11 +64,11 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
         alone_tokens.append([list(lm.tokens(lm_inputs[0], n_text[0], greedy, rng))] if len(lm_inputs) == 1
                             else lm.batch_tokens(lm_inputs, n_text, greedy, rng))
     assert len(alone_tokens[1]) == 2 and all(rows and all(rows) for rows in alone_tokens)
-    before = pipeline.decode_stats()
+    before = pipeline._decoder.stats()
     groups = [pipeline._decoder.submit(*_lm_inputs(engine, text, req), req.sampling == "greedy",
                                        np.random.default_rng(req.seed)) for (text, _), req in zip(JOBS, requests)]
     assert [g.results() for g in groups] == alone_tokens
-    shared = _stats_delta(before, pipeline.decode_stats())
+    shared = _stats_delta(before, pipeline._decoder.stats())
     assert max(shared) >= 4  # the four requests (five rows) decoded in common steps
     # audio: each job alone, then all four in one call
     alone = [engine.synthesize_many([job])[0] for job in jobs]
@@ -80,10 +80,10 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
         return mels(prompts, token_rows)
 
     monkeypatch.setattr(pipeline._flow, "mels", recorded)
-    before = pipeline.decode_stats()
+    before = pipeline._decoder.stats()
     together = engine.synthesize_many(jobs)
     assert any(len(requests_in_call) > 1 for requests_in_call in flow_rows)
-    assert max(_stats_delta(before, pipeline.decode_stats())) > 1
+    assert max(_stats_delta(before, pipeline._decoder.stats())) > 1
     for a, b in zip(alone, together):
         assert a.size and np.array_equal(a, b)
     assert np.array_equal(together[2], engine.synthesize_waveform(JOBS[2][0], **JOBS[2][1]))
@@ -97,7 +97,7 @@ def test_concurrent_streams_share_decode_steps(engine: Engine) -> None:
     """Four threads streaming at once (greedy and seeded, noise on and off) get the chunks each gets alone."""
     alone = [_stream(engine, text, options) for text, options in JOBS]
     assert sum(len(chunks) for chunks in alone) > len(JOBS)  # the long text streams in several chunks
-    before = engine.pipeline.decode_stats()
+    before = engine.pipeline._decoder.stats()
     start = threading.Barrier(len(JOBS))
     together: list[list[np.ndarray] | None] = [None] * len(JOBS)
     errors: list[BaseException] = []
@@ -118,27 +118,27 @@ def test_concurrent_streams_share_decode_steps(engine: Engine) -> None:
     for a, b in zip(alone, together):
         assert b is not None and len(a) == len(b) >= 1
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert max(_stats_delta(before, engine.pipeline.decode_stats())) > 1
+    assert max(_stats_delta(before, engine.pipeline._decoder.stats())) > 1
 
 
 def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
     """B is submitted while A is mid-decode: it joins A's steps (the row count changes from 1 to 2 and back) and
     both get their solo tokens."""
     pipeline, lm = engine.pipeline, engine.pipeline._lm
-    req_a = engine.request(voice=ZH_VOICE, seed=21)
-    req_b = engine.request(voice=SFT_VOICE, sampling="greedy")
+    req_a = engine.options(voice=ZH_VOICE, seed=21)
+    req_b = engine.options(voice=SFT_VOICE, sampling="greedy")
     (a_input,), (a_text,) = _lm_inputs(engine, "收到好友从远方寄来的生日礼物。", req_a)
     (b_input,), (b_text,) = _lm_inputs(engine, JOBS[0][0], req_b)
     solo_a = list(lm.tokens(a_input, a_text, False, np.random.default_rng(21), pin=400))
     solo_b = list(lm.tokens(b_input, b_text, True, np.random.default_rng(0)))
-    before = pipeline.decode_stats()
+    before = pipeline._decoder.stats()
     stream_a = pipeline._decoder.stream(a_input, a_text, False, np.random.default_rng(21), pin=400)
     got_a = [next(stream_a) for _ in range(5)]  # A is decoding now
     group_b = pipeline._decoder.submit([b_input], [b_text], True, np.random.default_rng(0))
     got_a += list(stream_a)
     assert got_a == solo_a and len(solo_a) == 400
     assert group_b.results() == [solo_b]
-    after = pipeline.decode_stats()
+    after = pipeline._decoder.stats()
     assert after["joined_running"] - before["joined_running"] == 1
     assert set(_stats_delta(before, after)) == {1, 2}
     assert after["active_rows"] == 0 and after["waiting_groups"] == 0
@@ -147,13 +147,13 @@ def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
 def test_abandoned_stream_leaves_the_batch(engine: Engine) -> None:
     """A consumer that stops reading withdraws its row; the scheduler keeps serving the others."""
     pipeline = engine.pipeline
-    req = engine.request(voice=ZH_VOICE, seed=3)
+    req = engine.options(voice=ZH_VOICE, seed=3)
     (x,), (n,) = _lm_inputs(engine, JOBS[0][0], req)
-    before = pipeline.decode_stats()
+    before = pipeline._decoder.stats()
     stream = pipeline._decoder.stream(x, n, False, np.random.default_rng(3), pin=400)
     assert len([next(stream) for _ in range(3)]) == 3
     stream.close()
-    tokens = pipeline.speech_tokens(engine.segments(JOBS[0][0])[0], engine.request(voice=SFT_VOICE, sampling="greedy"))
+    tokens = pipeline.speech_tokens(engine.segments(JOBS[0][0])[0], engine.options(voice=SFT_VOICE, sampling="greedy"))
     info = pipeline.describe()["decode"]
     assert tokens and info["tokens"] - before["tokens"] < 400 + len(tokens)
     assert info["active_rows"] == 0 and info["waiting_groups"] == 0

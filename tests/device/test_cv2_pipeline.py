@@ -23,7 +23,7 @@ import pytest
 from cosyedge.device.cosyvoice2.streaming import stream_tokens
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import InputError
-from cosyedge.device.pipeline import SynthesisOptions
+from cosyedge.device.options import SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
 
 MEL_ATOL = 1e-4
@@ -85,7 +85,7 @@ def _options(case: dict) -> dict:
 
 @pytest.mark.parametrize("case", E2E_CASES, ids=[c["name"] for c in E2E_CASES])
 def test_e2e_greedy_matches_golden(engine: Engine, vectors: dict, case: dict) -> None:
-    request = engine.request(**_options(case))
+    request = engine.options(**_options(case))
     segments = engine.segments(case["text"])
     assert [u.text for u in segments] == case["segments"]
     for j, segment in enumerate(segments):
@@ -103,7 +103,7 @@ def test_e2e_greedy_matches_golden(engine: Engine, vectors: dict, case: dict) ->
 def test_batched_render_matches_single_goldens(engine: Engine, vectors: dict, names: tuple[str, ...]) -> None:
     """Several requests with equal options go through one padded LLM batch and one padded flow batch."""
     cases = [next(c for c in E2E_CASES if c["name"] == n) for n in names]
-    request = engine.request(**_options(cases[0]))
+    request = engine.options(**_options(cases[0]))
     segments = [engine.segments(c["text"]) for c in cases]
     pipeline = engine.pipeline
     inputs = pipeline._mode_inputs(request)
@@ -121,7 +121,7 @@ def test_batched_render_matches_single_goldens(engine: Engine, vectors: dict, na
 @pytest.mark.parametrize("key", ["sft0_s0", "zero_shot0_s0", "cross_lingual0_s0", "instruct20_s0"])
 def test_lm_input_is_the_official_gather(engine: Engine, vectors: dict, key: str) -> None:
     case = next(c for c in E2E_CASES if f"{c['name']}_s0" == key)
-    request = engine.request(**_options(case))
+    request = engine.options(**_options(case))
     inputs = engine.pipeline._mode_inputs(request)
     llm = vectors["llm"]
     assert list(inputs.prompt_text) == llm[f"{key}__prompt_text_token"].reshape(-1).tolist()
@@ -182,7 +182,7 @@ def test_stream_chunks_match_golden(engine: Engine, vectors: dict, stream_index:
     pipeline = engine.pipeline
     voice = pipeline._voices[STREAM_VOICES[case]]
     assert np.array_equal(voice.flow_embedding, golden[f"{case}__embedding"].reshape(-1))
-    prompt = pipeline._mode_inputs(engine.request(voice=voice.name, deterministic=True)).flow
+    prompt = pipeline._mode_inputs(engine.options(voice=voice.name, deterministic=True)).flow
     assert np.array_equal(prompt.tokens, golden[f"{case}__prompt_token"].reshape(-1))
     recorder = _Recorder(pipeline._vocoder)
     tokens = golden[f"{case}__tokens"].reshape(-1).tolist()
@@ -212,7 +212,7 @@ def test_concurrent_streams_keep_their_own_schedule(engine: Engine, vectors: dic
     pipeline = engine.pipeline
     tokens = vectors["stream"]["stream_zero_shot__tokens"].reshape(-1).tolist()
     expected_first = {ZH_VOICE: 25 + 13 + 3, SFT_VOICE: 25 + 0 + 3}
-    alone = {v: list(pipeline.stream_tokens(tokens, engine.request(voice=v, deterministic=True)))
+    alone = {v: list(pipeline.stream_tokens(tokens, engine.options(voice=v, deterministic=True)))
              for v in expected_first}
     start = threading.Barrier(2)
     results: dict[str, tuple[int, list[np.ndarray]]] = {}
@@ -222,7 +222,7 @@ def test_concurrent_streams_keep_their_own_schedule(engine: Engine, vectors: dic
         try:
             seen, first, chunks = [0], None, []
             start.wait(timeout=30)
-            request = engine.request(voice=voice, deterministic=True)
+            request = engine.options(voice=voice, deterministic=True)
             for chunk in pipeline.stream_tokens(_counted(tokens, seen), request):
                 first = seen[0] if first is None else first
                 chunks.append(chunk)
@@ -278,7 +278,7 @@ def test_stream_with_the_llm_interleaves_and_equals_token_streaming(engine: Engi
     """sft0 (36 greedy tokens): the first chunk comes after 28 tokens, the rest at the end; same audio as feeding
     the same tokens to the chunker, and close to the non-streaming golden."""
     pipeline = engine.pipeline
-    request = engine.request(voice=SFT_VOICE, sampling="greedy", deterministic=True)
+    request = engine.options(voice=SFT_VOICE, sampling="greedy", deterministic=True)
     (segment,) = engine.segments("你好，世界！")
     chunks = list(pipeline.stream(segment, request))
     tokens = vectors["llm"]["sft0_s0__greedy_tokens"].tolist()
@@ -308,7 +308,7 @@ def test_sampled_requests_are_seeded_and_private(engine: Engine) -> None:
     assert np.array_equal(first, again)
     assert first.shape != other.shape or not np.array_equal(first, other)
     (segment,) = engine.segments(text)
-    req = engine.request(voice=ZH_VOICE, seed=11, deterministic=True)
+    req = engine.options(voice=ZH_VOICE, seed=11, deterministic=True)
     tokens = engine.pipeline.speech_tokens(segment, req)
     assert tokens == engine.pipeline.speech_tokens(segment, req)
     _, max_len = engine.pipeline._lm.config.min_max_len(len(segment.ids))
@@ -319,22 +319,22 @@ def test_sampled_requests_are_seeded_and_private(engine: Engine) -> None:
 
 def test_modes_and_voices_are_checked_up_front(engine: Engine) -> None:
     assert engine.voices() == [ZH_VOICE, "tiny_spk_en", SFT_VOICE]   # spk2info order
-    assert engine.request().voice == ZH_VOICE and engine.request().mode is None
-    assert engine.request(voice=ZH_VOICE, instruct_text="用四川话说这句话").instruct_text == "用四川话说这句话"
+    assert engine.options().voice == ZH_VOICE and engine.options().mode is None
+    assert engine.options(voice=ZH_VOICE, instruct_text="用四川话说这句话").instruct_text == "用四川话说这句话"
     for bad in ({"voice": ZH_VOICE, "mode": "sft"}, {"voice": SFT_VOICE, "mode": "zero_shot"},
                 {"voice": SFT_VOICE, "mode": "cross_lingual"}, {"voice": ZH_VOICE, "mode": "instruct2"},
                 {"voice": ZH_VOICE, "mode": "zero_shot", "instruct_text": INSTRUCT},
                 {"voice": ZH_VOICE, "mode": "whisper"}):
         with pytest.raises(InputError):
-            engine.request(**bad)
+            engine.options(**bad)
     with pytest.raises(InputError):
         engine.segments("。。。")
     assert SynthesisOptions(voice="x").mode is None and SynthesisOptions(voice="x").instruct_text is None
 
 
 def test_instruct_marker_is_added_when_missing(engine: Engine) -> None:
-    plain = engine.pipeline._mode_inputs(engine.request(voice=ZH_VOICE, instruct_text="用四川话说这句话"))
-    marked = engine.pipeline._mode_inputs(engine.request(voice=ZH_VOICE, instruct_text=INSTRUCT))
+    plain = engine.pipeline._mode_inputs(engine.options(voice=ZH_VOICE, instruct_text="用四川话说这句话"))
+    marked = engine.pipeline._mode_inputs(engine.options(voice=ZH_VOICE, instruct_text=INSTRUCT))
     assert plain.prompt_text == marked.prompt_text and len(marked.prompt_text) == 5 and not marked.prompt_speech
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyedge.device.engine import BatchLimits
+from cosyedge.device import BatchLimits
 from cosyedge.device.errors import InputError, UnknownVoiceError
 
 SHORT = "Hello there."
@@ -99,6 +99,6 @@ def test_unknown_voice_is_rejected(default_engine):
 
 
 def test_numeric_speaker_id_maps_onto_voice_list(default_engine):
-    assert default_engine.request(voice=7).voice == default_engine.voices()[7 % len(default_engine.voices())]
+    assert default_engine.options(voice=7).voice == default_engine.voices()[7 % len(default_engine.voices())]
     with pytest.raises(UnknownVoiceError):
-        default_engine.request(voice=-1)
+        default_engine.options(voice=-1)

@@ -36,7 +36,7 @@ def test_first_use_build_of_default_voice_without_torch(torch_blocked_env, tmp_p
     """A fresh box builds the default bundle with no torch (quality measured without the speaker encoder)."""
     home = tmp_path / "fresh"
     code = (
-        "from cosyedge.device.default_voice import default_bundle\n"
+        "from cosyedge.device.vits.default_voice import default_bundle\n"
         "from cosyedge.device.bundle import Bundle\n"
         "m = Bundle.load(default_bundle()).manifest\n"
         "assert 'resemblyzer unavailable' in m.quality['speaker_similarity'], m.quality['speaker_similarity']\n"

@@ -262,7 +262,7 @@ def test_device_runtime_runs_every_target_and_auto_picks_cpu(bundle):
     text = "收到好友从远方寄来的生日礼物。"
     want = reference.synthesize_waveform(text, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
     for target in ("cpu", "gpu-fp16", "trt-int8"):
-        engine = Engine.load(bundle.root, precision=target, sessions=sessions, warmup=False)
+        engine = Engine.load(bundle.root, target=target, sessions=sessions, warmup=False)
         got = engine.synthesize_waveform(text, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
         assert got.size > 0 and np.all(np.isfinite(got)) and np.abs(got).max() <= 1.0, target
         assert abs(got.size - want.size) <= want.size // 2, target  # greedy tokens may differ a little, not wildly

@@ -13,12 +13,13 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from cosyedge.device.bundle import Bundle
-from cosyedge.device.errors import InputError
-from cosyedge.device.pipeline import SynthesisOptions, Segment
+from cosyedge.device.errors import EmptyTextError
+from cosyedge.device.options import Segment, SynthesisOptions
+from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
 
 
-class VitsPipeline:
+class VitsPipeline(Pipeline):
     """One Piper voice model; phonemiser and session shared, per-request values passed in."""
 
     def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
@@ -54,27 +55,27 @@ class VitsPipeline:
             ids = self._phonemes_to_ids(phonemes, self._id_map)
             segments.append(Segment(text="".join(phonemes), ids=tuple(ids)))
         if not segments:
-            raise InputError("text contains nothing speakable for this voice")
+            raise EmptyTextError("text contains nothing speakable for this voice")
         return segments
 
-    def synthesize(self, segments: Sequence[Segment], request: SynthesisOptions) -> list[np.ndarray]:
+    def synthesize(self, segments: Sequence[Segment], options: SynthesisOptions) -> list[np.ndarray]:
         lengths = np.array([len(u.ids) for u in segments], dtype=np.int64)
         ids = np.zeros((len(segments), int(lengths.max())), dtype=np.int64)
         for row, segment in enumerate(segments):
             ids[row, : len(segment.ids)] = segment.ids
         noise, length, noise_w = self._scales
-        if request.deterministic:
+        if options.deterministic:
             noise, noise_w = 0.0, 0.0
         feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths,
-                                        "scales": np.array([noise, length / request.speed, noise_w], dtype=np.float32)}
+                                        "scales": np.array([noise, length / options.speed, noise_w], dtype=np.float32)}
         if self._has_sid:
-            feeds["sid"] = np.full(len(segments), self._speaker_ids.get(request.voice, 0), dtype=np.int64)
+            feeds["sid"] = np.full(len(segments), self._speaker_ids.get(options.voice, 0), dtype=np.int64)
         audio, frames = self._session.run(["output", "frames"], feeds)
         samples = np.asarray(frames).reshape(-1).astype(np.int64) * self._hop
         return [audio[row].reshape(-1)[: samples[row]].astype(np.float32) for row in range(len(segments))]
 
-    def stream(self, segment: Segment, request: SynthesisOptions) -> Iterator[np.ndarray]:
-        yield self.synthesize([segment], request)[0]
+    def stream(self, segment: Segment, options: SynthesisOptions) -> Iterator[np.ndarray]:
+        yield self.synthesize([segment], options)[0]
 
     def describe(self) -> dict[str, Any]:
         return {"family": "vits", "precision": {"vits": self._precision}, "providers": self._session.get_providers()}

@@ -1,6 +1,7 @@
 """Piper voice (ONNX + JSON) -> `vits` bundle with fp32 and int8 graphs and a measured quality report.
 
-Torch-free on purpose: the device builds the default voice's bundle itself on first use. The
+Torch-free on purpose: the device builds the default voice's bundle itself on first use (speaker similarity,
+which needs torch, is measured only when the build host passes its measure in: `cosyedge quantize`). The
 int8 graph quantizes the normalising flow only (dynamic int8, per-channel weights). The text
 encoder and duration predictor stay fp32, so both precisions produce the same phoneme durations
 and can be compared frame by frame; the HiFi-GAN decoder stays fp32 because int8 there costs
@@ -12,13 +13,14 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnx
 
 from cosyedge.device.bundle import sha256_file
+from cosyedge.device.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,16 @@ QUALITY_SENTENCES = (
     "Welcome! How can I help you today?",
 )
 MCD_GATE_DB = 2.0  # int8 is only the default precision when it is faster and stays below this MCD
+NOT_MEASURED = ("resemblyzer unavailable (needs torch, so the device does not measure it); "
+                "run `cosyedge quantize --force` with the [quantize] extra")
+
+
+class SpeakerMeasure(Protocol):
+    """Speaker similarity of two waveforms (the build host's Resemblyzer encoder); `reason` says why not."""
+    available: bool
+    reason: str
+
+    def __call__(self, reference: np.ndarray, test: np.ndarray, sample_rate: int) -> float: ...
 
 
 def _frames_tensor(model: onnx.ModelProto) -> str:
@@ -60,8 +72,12 @@ def _write_int8(fp32_path: Path, model: onnx.ModelProto, out: Path) -> None:
                      op_types_to_quantize=["MatMul", "Conv"], per_channel=True)
 
 
-def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: bool = True) -> Path:
-    """Write a complete bundle to `out` (atomically: a half-built bundle never has a manifest)."""
+def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: bool = True,
+                       similarity: SpeakerMeasure | None = None) -> Path:
+    """Write a complete bundle to `out` (atomically: a half-built bundle never has a manifest).
+
+    `measure`: compare int8 with fp32 and pick the default precision; `similarity` adds speaker similarity.
+    """
     model_path, config_path, out = Path(model_path), Path(config_path), Path(out)
     check_out_dir(out)
     try:
@@ -98,20 +114,20 @@ def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: 
     )
     writer.write_manifest(**fields)
     if measure:
-        writer.write_manifest(**(fields | _measure(work)))
+        writer.write_manifest(**(fields | _measure(work, similarity)))
     log.info("built %s in %.1f s", out.name, time.perf_counter() - started)
     return writer.commit()
 
 
-def _measure(root: Path) -> dict:
+def _measure(root: Path, similarity: SpeakerMeasure | None) -> dict:
     """Quality of int8 against fp32 on fixed sentences, and which precision is faster here."""
     from cosyedge.device.engine import Engine
+    from cosyedge.device.quality import mel_cepstral_distortion, snr_db
     from cosyedge.device.sessions import SessionConfig
-    from cosyedge.quantize.quality import SpeakerSimilarity, mel_cepstral_distortion, snr_db
 
     sessions = SessionConfig(providers=("cpu",))
     engines = {p: Engine.load(root, precision=p, sessions=sessions) for p in ("fp32", "int8")}
-    similarity = SpeakerSimilarity()
+    measured = similarity is not None and similarity.available
     compute = {p: 0.0 for p in engines}
     audio_s = 0.0
     rows = []
@@ -126,7 +142,7 @@ def _measure(root: Path) -> dict:
         row = {"text": sentence, "samples_fp32": int(ref.size), "samples_int8": int(test.size),
                "mcd_db": round(mel_cepstral_distortion(ref, test, engines["fp32"].sample_rate), 3),
                "snr_db": round(snr_db(ref, test), 2)}
-        if similarity.available:
+        if measured:
             row["speaker_cosine"] = round(similarity(ref, test, engines["fp32"].sample_rate), 4)
         rows.append(row)
     rtf = {p: round(compute[p] / audio_s, 4) for p in compute}
@@ -136,11 +152,11 @@ def _measure(root: Path) -> dict:
     quality = {
         "reference": "fp32", "method": "same text, noise scales 0, same phoneme durations; MCD over c1..c24 (dB)",
         "gate": {"mcd_db_max": MCD_GATE_DB}, "int8": {"mean_mcd_db": round(mcd, 3), "passed": int8_ok, "sentences": rows},
-        "speaker_similarity": "resemblyzer cosine" if similarity.available else similarity.reason,
+        "speaker_similarity": "resemblyzer cosine" if measured else similarity.reason if similarity else NOT_MEASURED,
         "rtf_cpu": rtf, "default_precision_reason": f"{default}: "
         + ("int8 passed its gate and was faster" if default == "int8" else
            "int8 " + ("missed its quality gate" if not int8_ok else "was not faster than fp32 on this CPU")),
     }
-    if similarity.available:
+    if measured:
         quality["int8"]["mean_speaker_cosine"] = round(float(np.mean([r["speaker_cosine"] for r in rows])), 4)
     return {"quality": quality, "default_precision": default}

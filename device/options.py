@@ -1,0 +1,42 @@
+"""What one synthesis call asks for (`SynthesisOptions`), the piece of text it works on (`Segment`), and the
+limits of batched calls (`BatchLimits`). Frozen: a value is private to its request and safe to share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cosyedge.device.errors import InputError
+
+SPEED_RANGE = (0.25, 4.0)
+SEED_MAX = 2**32 - 1  # numpy's SeedSequence takes any int >= 0; the API promises 32 bits, as OpenAI-style clients send
+
+
+@dataclass(frozen=True)
+class SynthesisOptions:
+    """What one synthesis call asked for, after validation (`Engine.options`)."""
+    voice: str
+    speed: float = 1.0
+    deterministic: bool = False
+    seed: int | None = None
+    sampling: str = "default"  # "default" (the release's sampler) or "greedy"
+    mode: str | None = None  # CosyVoice: zero_shot, sft, cross_lingual, instruct2 (None = the voice's default)
+    instruct_text: str | None = None  # CosyVoice instruct2: how to speak ("用四川话说这句话")
+    pin_tokens: int | None = None  # CosyVoice bench: generate exactly this many speech tokens per segment (no stop)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A sentence-sized, model-ready piece of text: the sentence and its token ids (phoneme ids, BPE ids, ...)."""
+    text: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Limits of one batched call: text length per item, items per model call, and the queue wait."""
+    max_text_len: int = 2000
+    batch_max: int = 8
+    timeout: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.max_text_len < 1 or self.batch_max < 1 or self.timeout < 0:
+            raise InputError("BatchLimits: max_text_len and batch_max must be >= 1 and timeout >= 0")

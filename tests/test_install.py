@@ -1,0 +1,97 @@
+"""One import namespace, proved on real installs: `pip install --no-deps` the project, non-editable and editable, into
+fresh venvs, then import every module of cosyedge.device, cosyedge.api and cosyedge.quantize with the fresh venv's
+own interpreter from a directory outside the repository, and show that `device`, `api` and `quantize` are not
+importable names. The dependencies come from this test run's environment through a .pth file (offline; a .pth in a
+site directory adds a path, and the .pth files of that path are not processed, so its editable finder stays out).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = {"device": "cosyedge.device", "api": "cosyedge.api", "quantize": "cosyedge.quantize"}
+
+IMPORT_ALL = r'''
+import importlib, json, pkgutil, sys
+names = []
+for top in ("cosyedge.device", "cosyedge.api", "cosyedge.quantize"):
+    names.append(top)
+    names += [info.name for info in pkgutil.walk_packages(importlib.import_module(top).__path__, top + ".")]
+for name in names:
+    importlib.import_module(name)
+leaks = {}
+for bare in ("device", "api", "quantize"):
+    try:
+        leaks[bare] = getattr(importlib.import_module(bare), "__file__", None) or "namespace"
+    except ModuleNotFoundError:
+        pass
+from importlib.metadata import entry_points
+print(json.dumps({"files": {n: sys.modules[n].__file__ for n in names}, "leaks": leaks,
+                  "commands": sorted(e.name for e in entry_points(group="cosyedge.commands"))}))
+'''
+
+
+def _expected_modules() -> set[str]:
+    found = set()
+    for folder, package in LAYERS.items():
+        for path in (REPO / folder).rglob("*.py"):
+            parts = [package, *path.relative_to(REPO / folder).with_suffix("").parts]
+            found.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
+def _source_copy(dest: Path) -> Path:
+    """The tracked and new files of the working tree, so the build never writes into the repository."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.split()
+    for rel in listed:
+        if (REPO / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, dest / rel)
+    return dest
+
+
+def _fresh_venv(root: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (Path(site) / "cosyedge_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("editable", [False, True], ids=["wheel", "editable"])
+def test_installed_project_imports_only_under_cosyedge(tmp_path, editable):
+    source = _source_copy(tmp_path / "src")
+    python = _fresh_venv(tmp_path / "venv")
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+               "--no-build-isolation", "-q", *(["-e"] if editable else []), str(source)]
+    result = subprocess.run(install, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "COSYEDGE_HOME": str(tmp_path / "home")}
+    run = subprocess.run([str(python), "-c", IMPORT_ALL], capture_output=True, text=True, timeout=600, cwd=outside,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+
+    assert set(report["files"]) == _expected_modules()
+    home = source if editable else tmp_path / "venv"
+    strays = {name: file for name, file in report["files"].items() if not Path(file).is_relative_to(home)}
+    assert not strays, f"modules not loaded from the {'source tree' if editable else 'venv'}: {strays}"
+    assert report["leaks"] == {}, f"top-level names that must not be importable: {report['leaks']}"
+    assert report["commands"] == ["bench", "quantize", "serve"]
+
+    cli = subprocess.run([str(python.parent / "cosyedge"), "--help"], capture_output=True, text=True, timeout=300,
+                         cwd=outside, env=env)
+    assert cli.returncode == 0 and all(c in cli.stdout for c in ("synth", "bench", "quantize", "serve")), cli.stderr[-2000:]
