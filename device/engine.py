@@ -13,7 +13,8 @@ from pydub import AudioSegment
 from cosyedge.device import text as textmod
 from cosyedge.device.audio import to_audio_segment
 from cosyedge.device.bundle import Bundle
-from cosyedge.device.errors import BundleError, CosyedgeError, InputError, UnknownVoiceError
+from cosyedge.device.errors import (BundleError, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError,
+                                    UnknownVoiceError, VoiceExistsError)
 from cosyedge.device.pipeline import SPEED_RANGE, Pipeline, SynthesisOptions, Segment
 from cosyedge.device.sessions import SessionConfig
 
@@ -45,6 +46,7 @@ def _load_pipeline(bundle: Bundle, precision: str, sessions: SessionConfig) -> P
 
 # Which quantize target suits which execution provider, best first.
 _TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", "cpu"))
+_TARGETS = ("cpu", "gpu-fp16", "trt-int8")
 
 
 def _auto_selection(bundle: Bundle, sessions: SessionConfig) -> str:
@@ -59,17 +61,17 @@ def _auto_selection(bundle: Bundle, sessions: SessionConfig) -> str:
 class Engine:
     """One loaded bundle. Thread-safe: requests share only read-only state and ORT sessions."""
 
-    def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, options: BatchLimits,
+    def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, limits: BatchLimits,
                  state_dir: Path | None = None) -> None:
         self.bundle = bundle
         self.pipeline = pipeline
         self.precision = precision
-        self.options = options
+        self.limits = limits
         self.state_dir = state_dir  # registered voices live here (None: device.default_voice.state_dir())
 
     @classmethod
-    def load(cls, bundle_path: Path | str | None = None, precision: str = "auto",
-             sessions: SessionConfig | None = None, options: BatchLimits | None = None,
+    def load(cls, bundle_path: Path | str | None = None, precision: str = "auto", target: str | None = None,
+             sessions: SessionConfig | None = None, limits: BatchLimits | None = None,
              warmup: bool = True, state_dir: Path | str | None = None) -> "Engine":
         """Validate the bundle, create the ORT sessions once, and warm them up.
 
@@ -80,10 +82,14 @@ class Engine:
             bundle_path = default_bundle()
         sessions = sessions or SessionConfig.from_env()
         manifest_only = Bundle.load(bundle_path, verify=False)
-        chosen = _auto_selection(manifest_only, sessions) if precision == "auto" else precision
+        if precision in _TARGETS:
+            raise InputError(f"{precision!r} is a build target; use target")
+        if target is not None and precision != "auto":
+            raise InputError("give a precision or a target, not both")
+        chosen = target or (_auto_selection(manifest_only, sessions) if precision == "auto" else precision)
         bundle = Bundle.load(bundle_path, precision=chosen)
         engine = cls(bundle, _load_pipeline(bundle, chosen, sessions), chosen,
-                     options or BatchLimits(), Path(state_dir) if state_dir else None)
+                     limits or BatchLimits(), Path(state_dir) if state_dir else None)
         engine._load_registered_voices()
         if warmup:
             engine.warmup()
@@ -113,13 +119,13 @@ class Engine:
         from cosyedge.device.voice_store import check_voice_name, read_prompt_audio
         make = getattr(self.pipeline, "make_voice", None)
         if make is None:
-            raise InputError(f"{self.bundle.manifest.family} bundles have fixed voices; registering a voice needs a "
-                             "CosyVoice bundle")
+            raise FixedVoicesError(f"{self.bundle.manifest.family} bundles have fixed voices; registering a voice needs a "
+                                   "CosyVoice bundle")
         check_voice_name(name)
         if name in self.voices() and not replace:
-            raise InputError(f"voice {name!r} already exists; remove it first or choose another name")
+            raise VoiceExistsError(f"voice {name!r} already exists; remove it first or choose another name")
         if not isinstance(prompt_text, str) or not prompt_text.strip():
-            raise InputError("the transcript of the prompt audio is missing; zero-shot voices need it")
+            raise InvalidVoiceError("the transcript of the prompt audio is missing; zero-shot voices need it")
         wav, rate = read_prompt_audio(audio)
         voice = make(name, wav, rate, prompt_text)
         self._voice_store().save(name, voice.save)
@@ -138,7 +144,7 @@ class Engine:
         check_voice_name(name)
         remove = getattr(self.pipeline, "remove_voice", None)
         if remove is None:
-            raise InputError(f"{self.bundle.manifest.family} bundles have fixed voices")
+            raise FixedVoicesError(f"{self.bundle.manifest.family} bundles have fixed voices")
         remove(name)
         self._voice_store().remove(name)
 
@@ -150,6 +156,15 @@ class Engine:
     def voices(self) -> list[str]:
         return self.pipeline.voices()
 
+    def stats(self) -> dict[str, float]:
+        """The pipeline's counters for /metrics (stand-in until the Pipeline base class gives `stats()`)."""
+        decode_stats = getattr(self.pipeline, "decode_stats", None)
+        if decode_stats is None:
+            return {}
+        stats = decode_stats()
+        return {"decode_steps": float(stats["decode_steps"]), "decode_rows_mean": float(stats["mean_rows"]),
+                "decode_active_rows": float(stats["active_rows"])}
+
     def warmup(self) -> float:
         """One short synthesis so the first real request does not pay for lazy ORT initialisation."""
         start = time.perf_counter()
@@ -159,7 +174,7 @@ class Engine:
         return elapsed
 
     # -- request validation -----------------------------------------------------------------
-    def request(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,
+    def options(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,
                 seed: int | None = None, sampling: str = "default", mode: str | None = None,
                 instruct_text: str | None = None) -> SynthesisOptions:
         """Validate per-request options once; the result is immutable and private to the request."""
@@ -196,8 +211,10 @@ class Engine:
             raise InputError("this bundle's model family has no modes or instruct text")
         return request
 
+    request = options  # stand-in: jobs.py and the bench call request() until H1's engine lands
+
     def segments(self, text: object) -> list[Segment]:
-        return self.pipeline.segments(self._validate_text(text, self.options.max_text_len))
+        return self.pipeline.segments(self._validate_text(text, self.limits.max_text_len))
 
     def _validate_text(self, text: object, max_chars: int) -> str:
         """The generic checks and clean-up, or the pipeline's own (`validate_text`) when its frontend needs raw text."""
@@ -206,7 +223,7 @@ class Engine:
 
     # -- synthesis --------------------------------------------------------------------------
     def synthesize_waveform(self, text: str, **request_options) -> np.ndarray:
-        request = self.request(**request_options)
+        request = self.options(**request_options)
         segments = self.segments(text)
         return np.concatenate(self.pipeline.synthesize(segments, request))
 
@@ -216,7 +233,7 @@ class Engine:
 
     def stream(self, text: str, voice: str | int | None = None, speed: float = 1.0, **request_options) -> Iterator[np.ndarray]:
         """float32 chunks, each yielded as soon as it is made (a sentence for VITS)."""
-        request = self.request(voice=voice, speed=speed, **request_options)
+        request = self.options(voice=voice, speed=speed, **request_options)
         for segment in self.segments(text):
             yield from self.pipeline.stream(segment, request)
 
@@ -237,8 +254,8 @@ class Engine:
             groups.setdefault(req, []).append(index)
         for req, indices in groups.items():
             indices.sort(key=lambda i: len(flat[i][1].ids))  # similar lengths pad less
-            for start in range(0, len(indices), self.options.batch_max):
-                chunk = indices[start:start + self.options.batch_max]
+            for start in range(0, len(indices), self.limits.batch_max):
+                chunk = indices[start:start + self.limits.batch_max]
                 for index, wave in zip(chunk, self.pipeline.synthesize([flat[i][1] for i in chunk], req)):
                     rendered[index] = wave
         per_job: list[list[np.ndarray]] = [[] for _ in jobs]
@@ -249,9 +266,9 @@ class Engine:
     def synthesize_batch(self, texts: Sequence[str], options: BatchLimits | None = None,
                          voice: str | int | None = None, speed: float = 1.0, **request_options) -> list[AudioSegment]:
         """Many texts, batched across texts; the list comes back in input order."""
-        options = options or self.options
-        request = self.request(voice=voice, speed=speed, **request_options)
+        options = options or self.limits
+        request = self.options(voice=voice, speed=speed, **request_options)
         jobs = [(self.pipeline.segments(self._validate_text(t, options.max_text_len)), request) for t in texts]
-        engine = self if options == self.options else Engine(self.bundle, self.pipeline, self.precision, options,
+        engine = self if options == self.limits else Engine(self.bundle, self.pipeline, self.precision, options,
                                                              self.state_dir)
         return [to_audio_segment(wave, self.sample_rate) for wave in engine.synthesize_many(jobs)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from cosyedge.device.errors import InputError
+from cosyedge.device.errors import EmptyTextError, InputError, TextTooLongError
 
 _KEEP_CATEGORIES = ("L", "N", "P", "Zs", "M")  # letters, numbers, punctuation, spaces, combining marks
 _KEEP_SYMBOLS = set("$%&+=@#€£¥°/\\<>")
@@ -36,12 +36,12 @@ def validate(text: object, max_chars: int) -> str:
     if not isinstance(text, str):
         raise InputError("text must be a string")
     if not text.strip():
-        raise InputError("text is empty")
+        raise EmptyTextError("text is empty")
     if len(text) > max_chars:
-        raise InputError(f"text has {len(text)} characters; the limit is {max_chars}: split it into several requests")
+        raise TextTooLongError(f"text has {len(text)} characters; the limit is {max_chars}: split it into several requests")
     clean = normalize(text)
     if not any(unicodedata.category(c).startswith(("L", "N")) for c in clean):
-        raise InputError("text contains nothing speakable (only punctuation, symbols or emoji)")
+        raise EmptyTextError("text contains nothing speakable (only punctuation, symbols or emoji)")
     return clean
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import soundfile as sf
 
 from cosyedge.device.bundle import Bundle
-from cosyedge.device.errors import InputError
+from cosyedge.device.errors import InvalidVoiceError, VoiceNotFoundError
 
 VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 MIN_PROMPT_SECONDS, MAX_PROMPT_SECONDS = 1.0, 30.0
@@ -24,7 +24,7 @@ SILENCE_RMS = 1e-3
 def check_voice_name(name: object) -> str:
     """Letters, digits, '-', '_', '.'; not starting with '.', so a name is never a path."""
     if not isinstance(name, str) or not VOICE_NAME.fullmatch(name):
-        raise InputError("voice names are 1-64 characters: letters, digits, '-', '_' and '.', starting with a "
+        raise InvalidVoiceError("voice names are 1-64 characters: letters, digits, '-', '_' and '.', starting with a "
                          "letter or digit")
     return name
 
@@ -34,15 +34,15 @@ def read_prompt_audio(data: bytes) -> tuple[np.ndarray, int]:
     try:
         wav, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (RuntimeError, sf.LibsndfileError, TypeError, ValueError):
-        raise InputError("prompt audio is not a readable audio file (wav, flac, ogg or mp3)") from None
+        raise InvalidVoiceError("prompt audio is not a readable audio file (wav, flac, ogg or mp3)") from None
     wav = wav.mean(axis=1)
     seconds = wav.size / rate
     if seconds < MIN_PROMPT_SECONDS:
-        raise InputError(f"prompt audio is {seconds:.2f} s long; give {MIN_PROMPT_SECONDS:.0f}-{MAX_PROMPT_SECONDS:.0f} s of speech")
+        raise InvalidVoiceError(f"prompt audio is {seconds:.2f} s long; give {MIN_PROMPT_SECONDS:.0f}-{MAX_PROMPT_SECONDS:.0f} s of speech")
     if seconds > MAX_PROMPT_SECONDS:
-        raise InputError(f"prompt audio is {seconds:.1f} s long; at most {MAX_PROMPT_SECONDS:.0f} s is supported")
+        raise InvalidVoiceError(f"prompt audio is {seconds:.1f} s long; at most {MAX_PROMPT_SECONDS:.0f} s is supported")
     if not np.all(np.isfinite(wav)) or float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) < SILENCE_RMS:
-        raise InputError("prompt audio is silent (or invalid); record the speaker saying the transcript")
+        raise InvalidVoiceError("prompt audio is silent (or invalid); record the speaker saying the transcript")
     return wav, int(rate)
 
 
@@ -79,5 +79,5 @@ class VoiceStore:
     def remove(self, name: str) -> None:
         path = self.path(name)
         if not path.is_file():
-            raise InputError(f"voice {name!r} is not a registered voice")
+            raise VoiceNotFoundError(f"voice {name!r} is not a registered voice")
         path.unlink()
