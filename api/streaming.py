@@ -22,7 +22,7 @@ from cosyedge.api.batcher import SynthesisQueue, SynthesisError
 from cosyedge.api.errors import DeadlineExceeded
 from cosyedge.api.metrics import Metrics
 from cosyedge.device.audio import streaming_wav_header, to_pcm16
-from cosyedge.device.pipeline import SynthesisOptions, Segment
+from cosyedge.device.options import Segment, SynthesisOptions
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ def server(default_engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.fixture(scope="session")
 def fault_engine(default_engine: Engine) -> Engine:
     return Engine(default_engine.bundle, FaultPipeline(default_engine.pipeline), default_engine.precision,
-                  default_engine.options)
+                  default_engine.limits)
 
 
 @pytest.fixture
