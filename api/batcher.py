@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cosyedge.api.errors import DeadlineExceeded, QueueFull, ShuttingDown
-from cosyedge.api.metrics import BATCH_BUCKETS, Metrics
+from cosyedge.api.metrics import Metrics
 from cosyedge.device.engine import Engine
 from cosyedge.device.options import Segment, SynthesisOptions
 
@@ -170,7 +170,7 @@ class SynthesisQueue:
         elapsed = time.perf_counter() - start
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * elapsed
         audio = sum(len(w) for w in waves) / self.engine.sample_rate
-        self.metrics.observe("cosyedge_batch_size", len(batch), BATCH_BUCKETS)
+        self.metrics.observe("cosyedge_batch_size", len(batch))
         self.metrics.inc("cosyedge_batches_total")
         self.metrics.inc("cosyedge_audio_seconds_total", audio)
         self.metrics.inc("cosyedge_compute_seconds_total", elapsed)

@@ -16,15 +16,13 @@ from contextlib import contextmanager
 from typing import Iterator
 from urllib.parse import urlsplit
 
-
-# The API's own request texts (the API may not import the device's benchmarks); the same station announcements
-# as the engine bench, so the two reports read side by side.
+# The workload: short announcements, each one sentence (whole-file requests), joined for the paragraph (streaming).
 SENTENCES = (
-    "Good morning, and welcome to the station.",
-    "The next train to the airport leaves from platform four in six minutes.",
-    "Please keep your belongings with you at all times.",
-    "Tickets can be bought at the machines near the main entrance, by card or with cash.",
-    "Thank you for travelling with us today.",
+    "Your order has been received and will be ready in ten minutes.",
+    "The meeting room on the second floor is free until noon.",
+    "Remember to take your umbrella, rain is expected this afternoon.",
+    "The printer near the kitchen is out of paper again.",
+    "Have a pleasant evening, and see you tomorrow.",
 )
 
 
@@ -63,13 +61,10 @@ def _metric(host: str, port: int, name: str) -> float:
 def _local_service(bundle: str | None) -> Iterator[str]:
     from cosyedge.api.app import create_app
     from cosyedge.api.config import load_config
-    from cosyedge.api.server import make_server
-    from cosyedge.device import BatchLimits, Engine
+    from cosyedge.api.server import load_engine, make_server
 
-    config = load_config(port=0)
-    engine = Engine.load(bundle, precision=config.precision,
-                         limits=BatchLimits(config.max_text_len, config.batch_max, config.batch_timeout))
-    app = create_app(config, engine=engine)
+    config = load_config(port=0, bundle=bundle)
+    app = create_app(config, engine=load_engine(config))
     server = make_server(app, "127.0.0.1", 0, config.http_threads)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -6,13 +6,15 @@ import json
 import logging
 from pathlib import Path
 
+from cosyedge.api.config import TARGETS
+
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from cosyedge.api.config import load_config
     from cosyedge.api.server import serve
     logging.getLogger().setLevel(logging.INFO)  # a service logs its lifecycle (to the journal under systemd)
     config = load_config(args.config, host=args.host, port=args.port, bundle=args.bundle, precision=args.precision,
-                         instance=args.instance)
+                         target=args.target, instance=args.instance)
     return serve(config)
 
 
@@ -33,7 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="TCP port (default 8100; 0 picks a free one)")
     p.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
-    p.add_argument("--precision", help="fp32, fp16, int8 or auto")
+    p.add_argument("--precision",
+                   help="fp32, fp16, int8 or auto (default: the best the machine and bundle offer)")
+    p.add_argument("--target", choices=TARGETS, help="a build target of the bundle instead of a precision")
     p.add_argument("--instance", type=int, help="GPU index of a templated unit: the port becomes port + instance")
     p.set_defaults(func=cmd_serve)
 

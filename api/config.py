@@ -16,6 +16,8 @@ from cosyedge.device.errors import InputError
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+PRECISIONS = ("auto", "fp32", "fp16", "int8")  # numeric formats
+TARGETS = ("cpu", "gpu-fp16", "trt-int8")       # build targets of `cosyedge quantize`
 
 
 class ConfigError(InputError):
@@ -29,7 +31,8 @@ class ServiceConfig:
     port: int = 8100
     instance: int | None = None          # template unit: GPU index, added to `port`
     bundle: str | None = None            # None: the embedded default voice
-    precision: str = "auto"
+    precision: str = "auto"              # numeric format: auto, fp32, fp16, int8
+    target: str | None = None            # build target instead: cpu, gpu-fp16, trt-int8
     http_threads: int = 32               # waitress worker threads (concurrent requests, streams included)
     queue_size: int = 64                 # synthesis items waiting for the engine; beyond it: 503
     batch_max: int = 8                   # items per engine call
@@ -44,12 +47,17 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voice_aliases", MappingProxyType(dict(self.voice_aliases)))
+        if self.precision in TARGETS:
+            raise ConfigError(f"configuration: precision {self.precision!r} is a build target; "
+                              f"give it as target (--target, COSYEDGE_TARGET)")
         checks = [
             (0 <= self.port <= 65535, "port must be 0-65535"),
             (self.instance is None or 0 <= self.instance <= 99, "instance must be 0-99"),
             (0 <= self.effective_port <= 65535, "port + instance must be <= 65535"),
             (bool(self.host), "host must not be empty"),
-            (self.precision in ("auto", "fp32", "fp16", "int8"), "precision must be auto, fp32, fp16 or int8"),
+            (self.precision in PRECISIONS, "precision must be auto, fp32, fp16 or int8"),
+            (self.target is None or self.target in TARGETS, "target must be cpu, gpu-fp16 or trt-int8"),
+            (self.target is None or self.precision == "auto", "give a precision or a target, not both"),
             (1 <= self.http_threads <= 1024, "http_threads must be 1-1024"),
             (1 <= self.queue_size <= 100000, "queue_size must be 1-100000"),
             (1 <= self.batch_max <= 1024, "batch_max must be 1-1024"),
@@ -78,7 +86,8 @@ class ServiceConfig:
 
 _ENV = {  # environment variable -> field
     "COSYEDGE_HOST": "host", "COSYEDGE_PORT": "port", "COSYEDGE_INSTANCE": "instance",
-    "COSYEDGE_BUNDLE": "bundle", "COSYEDGE_PRECISION": "precision", "COSYEDGE_HTTP_THREADS": "http_threads",
+    "COSYEDGE_BUNDLE": "bundle", "COSYEDGE_PRECISION": "precision", "COSYEDGE_TARGET": "target",
+    "COSYEDGE_HTTP_THREADS": "http_threads",
     "COSYEDGE_QUEUE_SIZE": "queue_size", "COSYEDGE_BATCH_MAX": "batch_max",
     "COSYEDGE_BATCH_TIMEOUT_MS": "batch_timeout_ms", "COSYEDGE_MAX_TEXT_LEN": "max_text_len",
     "COSYEDGE_MAX_BATCH_ITEMS": "max_batch_items", "COSYEDGE_REQUEST_TIMEOUT_S": "request_timeout_s",

@@ -5,15 +5,17 @@ from typing import Any
 
 from cosyedge.api.config import OPENAI_MODELS, OPENAI_VOICES, ServiceConfig
 from cosyedge.device.audio import FORMATS
-from cosyedge.device.options import SPEED_RANGE
+from cosyedge.device.options import SEED_MAX, SPEED_RANGE
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
-    text = {400: "invalid JSON, parameter, voice, format, speed or empty text", 404: "unknown route",
+    text = {400: "invalid JSON (also nested too deep or a number too long), parameter, voice, format, speed or "
+                 "empty text", 404: "unknown route or voice",
             413: "text longer than max_text_len, too many batch items, or body too large",
             415: "Content-Type is not application/json", 429: "per-client rate limit (Retry-After)",
+            431: "too many header lines",
             500: "synthesis failed (recorded in the dead-letter file)",
             503: "queue full or voice still loading (Retry-After)", 504: "deadline passed before work started"}
     return {str(s): {"description": text[s], "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
@@ -24,7 +26,7 @@ _AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mon
           "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}}},
           "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
                       "audio/L16": {}}}
-_SYNTH_ERRORS = (400, 413, 415, 429, 500, 503, 504)
+_SYNTH_ERRORS = (400, 413, 415, 429, 431, 500, 503, 504)
 
 
 def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
@@ -37,7 +39,7 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
             "description": "emoji and unpronounceable symbols are removed, not rejected"}
     voice = {"type": "string", "description": "a local voice name, a numeric speaker id as text, or an alias"}
     native = {"voice": voice, "speaker_id": {"type": "integer", "minimum": 0}, "speed": speed,
-              "deterministic": {"type": "boolean", "default": False}, "seed": {"type": "integer"},
+              "deterministic": {"type": "boolean", "default": False}, "seed": {"type": "integer", "minimum": 0, "maximum": SEED_MAX},
               "mode": {"enum": ["zero_shot", "sft", "cross_lingual", "instruct2"],
                        "description": "CosyVoice bundles: inference mode (default: the voice's own)"},
               "instruct_text": {"type": "string", "description": "CosyVoice instruct2: how to speak"},
@@ -78,7 +80,7 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                         "audio": {"type": "string", "contentEncoding": "base64"}, "audio_seconds": {"type": "number"},
                         "status": {"type": "integer"}, "error": {"$ref": "#/components/schemas/ErrorBody"}}}}}},
                     "per-item results in input order; a failed item has ok=false, status and error"),
-                    **_errors(400, 413, 415, 429, 503)}}},
+                    **_errors(400, 413, 415, 429, 431, 503)}}},
             "/v1/audio/voices": {
                 "get": {"summary": "Voices of the loaded bundle and registered ones (speaker id, kind), and the aliases",
                         "responses": {"200": _json({"type": "object"}), **_errors(503)}},

@@ -12,12 +12,15 @@ import signal
 import socket
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cosyedge.api.app import create_app
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.sdnotify import notify, watchdog_interval
 from cosyedge.device.errors import InputError
+
+if TYPE_CHECKING:
+    from cosyedge.device.engine import Engine
 
 log = logging.getLogger("cosyedge.serve")
 DRAIN_SECONDS = 10.0  # below the units' TimeoutStopSec=20
@@ -27,16 +30,26 @@ class _Stop(Exception):
     """Raised in the main thread by SIGTERM/SIGINT."""
 
 
+MAX_HEADER_BYTES = 32 << 10  # the request line and headers together; the app also bounds the header count
+
+
 def make_server(app: Any, host: str, port: int, threads: int):
     """A waitress server; `channel_request_lookahead` keeps reading so a client that leaves is noticed."""
     from waitress import create_server
     return create_server(app, host=host, port=port, threads=threads, channel_request_lookahead=1,
-                         ident="cosyedge", asyncore_use_poll=True, connection_limit=max(100, threads * 4))
+                         ident="cosyedge", asyncore_use_poll=True, connection_limit=max(100, threads * 4),
+                         max_request_header_size=MAX_HEADER_BYTES)
+
+
+def load_engine(config: ServiceConfig) -> "Engine":
+    """The engine the configuration names: bundle, precision or build target, batch limits, state directory."""
+    from cosyedge.device import BatchLimits, Engine
+    limits = BatchLimits(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
+    return Engine.load(config.bundle, precision=config.precision, target=config.target, limits=limits,
+                       state_dir=config.state_dir)
 
 
 def serve(config: ServiceConfig) -> int:
-    from cosyedge.device import BatchLimits, Engine
-
     app = create_app(config)
     service = app.extensions["cosyedge"]
     try:
@@ -56,8 +69,7 @@ def serve(config: ServiceConfig) -> int:
     threading.Thread(target=server.run, name="cosyedge-http", daemon=True).start()
     try:
         notify(f"STATUS=loading voice; listening on {config.host}:{port}")
-        options = BatchLimits(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
-        engine = Engine.load(config.bundle, precision=config.precision, limits=options, state_dir=config.state_dir)
+        engine = load_engine(config)
         interval = watchdog_interval()
         announced = threading.Event()  # systemd enforces the watchdog from READY=1 on; pings start then
         warm = service.start(engine, heartbeat=(lambda: announced.is_set() and notify("WATCHDOG=1"))

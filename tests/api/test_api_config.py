@@ -1,6 +1,9 @@
 """Configuration: defaults < TOML < environment < flags, validated once."""
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 
 from cosyedge.api.config import ConfigError, ServiceConfig, load_config
@@ -55,3 +58,23 @@ def test_config_is_frozen():
         config.port = 1  # type: ignore[misc]
     with pytest.raises(TypeError):
         config.voice_aliases["x"] = "y"  # type: ignore[index]
+
+
+def test_build_targets_are_given_as_target():
+    """Issue 10: `serve` took no build target; now COSYEDGE_TARGET / --target do, and precision says where they go."""
+    assert load_config(env={"COSYEDGE_TARGET": "gpu-fp16"}).target == "gpu-fp16"
+    assert load_config(env={}, target="trt-int8").target == "trt-int8"
+    with pytest.raises(ConfigError, match="precision 'cpu' is a build target; give it as target"):
+        load_config(env={"COSYEDGE_PRECISION": "cpu"})
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(env={"COSYEDGE_PRECISION": "fp16", "COSYEDGE_TARGET": "cpu"})
+    with pytest.raises(ConfigError, match="target must be"):
+        load_config(env={"COSYEDGE_TARGET": "fp16"})
+
+
+def test_serve_with_a_target_as_precision_is_one_line_exit_2():
+    from cosyedge.device.cli import main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["serve", "--precision", "gpu-fp16", "--port", "0"]) == 2
+    assert err.getvalue().count("\n") == 1 and "build target" in err.getvalue()

@@ -138,3 +138,11 @@ def test_openai_instructions_map_to_instruct2(cv2_server):
     refused = requests.post(cv2_server.url + "/v1/audio/speech", timeout=T, json={
         "model": "tts-1", "input": TEXT, "voice": "tiny_sft_spk", "instructions": "快一点"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_parameter"
+
+
+def test_negative_seed_is_refused_before_the_queue(cv2_server, state):
+    """Issue 10: a negative seed failed inside the worker (numpy refuses it) and was dead-lettered as a 500."""
+    response = requests.post(cv2_server.url + "/v1/tts", json={"text": TEXT, "voice": "tiny_spk_zh", "seed": -1},
+                             timeout=T)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_parameter"
+    assert not (state / "api_dead_letter.jsonl").exists()

@@ -35,7 +35,7 @@ def test_sixteen_concurrent_clients_are_batched(server, default_engine):
     calls = server.metric("cosyedge_batch_size_count") - before
     assert 1 <= calls < len(texts)
     _, _, metrics = server.request("GET", "/metrics")
-    one = [l for l in metrics.decode().splitlines() if l.startswith('cosyedge_batch_size_bucket{le="1"}')][0]
+    one = [l for l in metrics.decode().splitlines() if l.startswith('cosyedge_batch_size_bucket{le="1.0"}')][0]
     assert float(one.split()[1]) < server.metric("cosyedge_batch_size_count")
 
 
