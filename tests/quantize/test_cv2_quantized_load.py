@@ -35,7 +35,7 @@ from cosyedge.quantize.cosyvoice2 import precision
 from cosyedge.quantize.cosyvoice2.bundle import write_bundle
 from cosyedge.quantize.cosyvoice2.gates import DECISIVE_NATS, THRESHOLDS, GateConfig, Gates, log_softmax
 from cosyedge.quantize.cosyvoice2.random_init import write_random_release
-from cosyedge.quantize.quality import snr_db
+from cosyedge.device.quality import snr_db
 
 pytestmark = pytest.mark.slow
 
