@@ -21,7 +21,6 @@ PyTorch initialisation, on which every quantized stage of every target passes th
 """
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 
@@ -86,11 +85,10 @@ def _sessions():
     return SessionConfig(providers=("cpu",), intra_op_threads=1)
 
 
-def _load(bundle: Bundle, target: str):
-    """Engine.load with the runtime's target selection (`target=` once the device contract has it)."""
-    from cosyedge.device.engine import Engine
-    key = "target" if "target" in inspect.signature(Engine.load).parameters and target != "fp32" else "precision"
-    return Engine.load(bundle.root, sessions=_sessions(), warmup=False, **{key: target})
+def _load(bundle: Bundle, selection_name: str):
+    """The engine with a build target's graphs (or fp32, the reference)."""
+    from cosyedge.device.engine import Engine, selection
+    return Engine.load(bundle.root, sessions=_sessions(), warmup=False, **selection(selection_name))
 
 
 @pytest.fixture()
@@ -160,7 +158,7 @@ def reference(bundle):
     """fp32 run of the same bundle: greedy tokens per segment, their fp32 margins, and the waveform."""
     engine = _load(bundle, "fp32")
     assert set(engine.pipeline.describe()["precision"].values()) == {"fp32"}
-    request = engine.request(voice=VOICE, sampling="greedy", deterministic=True)
+    request = engine.options(voice=VOICE, sampling="greedy", deterministic=True)
     segments = engine.segments(TEXT)
     tokens = [engine.pipeline.speech_tokens(s, request) for s in segments]
     margins = [_margins(bundle, s.ids, t) for s, t in zip(segments, tokens)]
@@ -188,7 +186,7 @@ def test_runtime_loads_and_runs_the_quantized_graphs(bundle, reference, target, 
     assert engine.pipeline.describe()["precision"] == {g: ref["precision"] for g, ref in graphs.items()}
     assert {g for g, p in engine.pipeline.describe()["precision"].items() if p == "int8"} == set(_quantized(target))
 
-    request = engine.request(voice=VOICE, sampling="greedy", deterministic=True)
+    request = engine.options(voice=VOICE, sampling="greedy", deterministic=True)
     segments = engine.segments(TEXT)
     assert [s.ids for s in segments] == [s.ids for s in reference["segments"]]
     samples_per_token = int(bundle.manifest.config["token_mel_ratio"]) * int(bundle.manifest.config["hift_upsample"])
