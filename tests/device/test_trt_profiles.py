@@ -234,3 +234,35 @@ def test_register_adds_the_commands() -> None:
     trt_cli.register(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["build-engines", "--bundle", "b", "--dry-run", "--json"]).dry_run
     assert parser.parse_args(["memory-plan"]).func is trt_cli.cmd_memory_plan
+
+
+def test_units_start_timeout_covers_the_documented_build_time() -> None:
+    """Both units build engines before READY (ExecStartPre) and wait long enough for the slowest documented
+    device; docs/jetson.md states the same minutes per device profile."""
+    from cosyedge.device.trt.device_profiles import SERVE_LOAD_SECONDS, max_build_minutes
+    repo = Path(__file__).resolve().parents[2]
+    docs = (repo / "docs" / "jetson.md").read_text(encoding="utf-8")
+    for profile in PROFILES.values():
+        assert f"| `{profile.name}` |" in docs and f"| {profile.build_minutes} min |" in docs, profile.name
+    for name in ("cosyedge.service", "cosyedge@.service"):
+        lines = (repo / "systemd" / name).read_text(encoding="utf-8").splitlines()
+        settings = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+        assert settings["ExecStartPre"].endswith("cosyedge build-engines --service")
+        assert int(settings["TimeoutStartSec"]) >= max_build_minutes() * 60 + SERVE_LOAD_SECONDS, name
+
+
+def test_gpu_check_script_skips_absent_gpu_providers(cv2_tiny_bundle: Path) -> None:
+    """tools/gpu-check.sh on this CPU-only machine: CUDA and TensorRT skipped with the reason, the CPU run and
+    its bench line printed, exit 0."""
+    import os
+    import subprocess
+    import sys
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([str(repo / "tools" / "gpu-check.sh"), "--bundle", str(cv2_tiny_bundle), "--texts", "1"],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("SKIP CUDAExecutionProvider:") for line in lines)
+    assert any(line.startswith("SKIP TensorrtExecutionProvider:") for line in lines)
+    assert any(line.split()[:2] == ["fp32", "cpu"] and "rtf" in line and line.endswith("ok") for line in lines)
