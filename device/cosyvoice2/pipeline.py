@@ -66,8 +66,8 @@ class CosyVoice2Pipeline:
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS))
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)
             noise = np.load(bundle.asset("cfm_noise"))
-            self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise[:, :, :sessions.frame_limit(noise.shape[2])],
-                              FlowConfig.from_config(cfg))
+            noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
+            self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg))
             self._vocoder = Vocoder(s["hift_source"], s["hift_decoder"], int(cfg["hift_upsample"]))
             self._stream_config = StreamConfig.from_config(cfg["stream"])
             self._mel_bins = int(cfg["mel"]["n_mels"])

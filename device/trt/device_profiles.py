@@ -40,8 +40,8 @@ class DeviceProfile:
 
     def __post_init__(self) -> None:
         if self.max_frames < 16 or self.max_rows < 1 or self.flow_rows < 1 or self.workspace_mb < 64:
-            raise InputError(f"device profile {self.name!r}: max_frames >= 16, max_rows and flow_rows >= 1 and workspace_mb >= 64 "
-                             "are required")
+            raise InputError(f"device profile {self.name!r}: max_frames >= 16, max_rows and flow_rows >= 1 and "
+                             "workspace_mb >= 64 are required")
 
     @property
     def workspace_bytes(self) -> int:
