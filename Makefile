@@ -5,7 +5,7 @@ PIP     = $(VENV)/bin/pip install -q -c constraints.txt
 BIN     = $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test fuzz load quantize bench bench-api serve system-deps runtime buildhost install-service clean
+.PHONY: demo test fuzz load quantize bench bench-api serve system-deps runtime buildhost gpu-runtime gpu-check install-service clean
 
 system-deps:  ## Debian packages: ffmpeg (pydub's encoder), systemd-analyze (unit checks)
 	@command -v ffmpeg >/dev/null && command -v systemd-analyze >/dev/null || \
@@ -20,6 +20,20 @@ runtime: system-deps $(VENV)/bin/python  ## the device runtime + API: numpy and 
 
 buildhost: system-deps $(VENV)/bin/python  ## everything, including the build-host tools (torch 2.13.0 CPU) and tests
 	$(PIP) -e ".[quantize,test]"
+
+# onnxruntime and onnxruntime-gpu share the import name `onnxruntime`: never both in one venv. An extra cannot remove
+# a base dependency, so the GPU runtime is the CPU runtime with the wheel swapped. On Jetson, ORT_GPU is the path of
+# an aarch64 onnxruntime-gpu wheel built for your JetPack with the TensorRT provider (docs/jetson.md).
+# Run it last: a later `pip install -e .` would bring the CPU onnxruntime back (use --no-deps for upgrades).
+ORT_GPU ?= onnxruntime-gpu
+gpu-runtime: runtime  ## swap the CPU onnxruntime for onnxruntime-gpu (ORT_GPU=<wheel> on Jetson), then list usable providers
+	$(VENV)/bin/pip uninstall -y -q onnxruntime
+	$(VENV)/bin/pip install -q "$(ORT_GPU)"
+	@! $(VENV)/bin/pip show -q onnxruntime 2>/dev/null || (echo "both onnxruntime and onnxruntime-gpu are installed" >&2; exit 1)
+	$(BIN)/python -m cosyedge.device.trt.cli providers
+
+gpu-check: runtime  ## tiny bundle on CPU, CUDA and TensorRT, compared with CPU, plus a small bench (skips absent GPUs)
+	tools/gpu-check.sh
 
 demo: runtime  ## speak a sentence with the embedded default voice into demo.wav
 	$(BIN)/cosyedge synth "Hello! This is cosyedge, speaking offline from this box. No network was needed." -o demo.wav

@@ -5,11 +5,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import onnxruntime as ort
 
 from cosyedge.device.errors import ProviderError
+
+if TYPE_CHECKING:
+    from cosyedge.device.trt.providers import TrtSessionOptions
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +30,8 @@ class SessionConfig:
     # How a session is made: None = ONNX Runtime (`create_session`). The bench injects its stage timers here,
     # so no module attribute is ever patched; the factory receives this config and must honour its providers.
     session_factory: Callable[[Path, "SessionConfig"], Any] | None = None
+    # TensorRT: per-graph optimisation profiles, caches and the device's limits (cosyedge.device.trt); None = none.
+    trt: "TrtSessionOptions | None" = None
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.providers if p not in PROVIDER_NAMES]
@@ -40,8 +45,24 @@ class SessionConfig:
         """`COSYEDGE_PROVIDERS=cuda,cpu`, `COSYEDGE_THREADS=2`, `COSYEDGE_TRT_CACHE=/var/lib/cosyedge/trt`."""
         providers = tuple(p.strip() for p in os.environ.get("COSYEDGE_PROVIDERS", "tensorrt,cuda,cpu").split(",") if p.strip())
         cache = os.environ.get("COSYEDGE_TRT_CACHE")
+        trt = None
+        if "tensorrt" in providers and PROVIDER_NAMES["tensorrt"] in ort.get_available_providers():  # CPU path: never
+            from cosyedge.device.trt.providers import TrtSessionOptions
+            trt = TrtSessionOptions.from_env()
         return cls(providers=providers, intra_op_threads=int(os.environ.get("COSYEDGE_THREADS", "0")),
-                   trt_cache_dir=Path(cache) if cache else None)
+                   trt_cache_dir=Path(cache) if cache else None, trt=trt)
+
+    def row_limit(self, default: int) -> int:
+        """Rows one graph call may hold: the device profile's cap when TensorRT engines have fixed profiles."""
+        return min(default, self.trt.device.max_rows) if self.trt is not None else default
+
+    def flow_row_limit(self, default: int) -> int:
+        """Rows one flow batch may hold (CosyVoice): the device profile's cap under TensorRT."""
+        return min(default, self.trt.device.flow_rows) if self.trt is not None else default
+
+    def frame_limit(self, default: int) -> int:
+        """Mel frames one flow call may hold (CosyVoice): the device profile's cap under TensorRT."""
+        return min(default, self.trt.device.max_frames) if self.trt is not None else default
 
     def create(self, path: Path) -> Any:
         """One session for one graph, through the injected factory if there is one, else ONNX Runtime."""
@@ -54,8 +75,9 @@ class SessionConfig:
         offered = set(ort.get_available_providers())
         return [short for short in self.providers if PROVIDER_NAMES[short] in offered]
 
-    def resolved_providers(self) -> list[str | tuple[str, dict]]:
-        """The configured providers that this onnxruntime build offers, with a warning for each missing one."""
+    def resolved_providers(self, path: Path | None = None) -> list[str | tuple[str, dict]]:
+        """The configured providers that this onnxruntime build offers, with a warning for each missing one;
+        with `path`, the TensorRT provider gets that graph's profiles and cache folders."""
         available = set(ort.get_available_providers())
         chosen: list[str | tuple[str, dict]] = []
         for short in self.providers:
@@ -69,6 +91,8 @@ class SessionConfig:
                 if self.trt_cache_dir is not None:
                     options |= {"trt_engine_cache_enable": True, "trt_engine_cache_path": str(self.trt_cache_dir),
                                 "trt_timing_cache_enable": True, "trt_timing_cache_path": str(self.trt_cache_dir)}
+                if self.trt is not None and path is not None:
+                    options |= self.trt(path)
                 chosen.append((name, options))
             else:
                 chosen.append(name)
@@ -84,7 +108,7 @@ def create_session(path: Path, config: SessionConfig) -> ort.InferenceSession:
     options.intra_op_num_threads = config.intra_op_threads
     options.inter_op_num_threads = config.inter_op_threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    providers = config.resolved_providers()
+    providers = config.resolved_providers(path)
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own untyped errors

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Install cosyedge as a system service: a venv under $PREFIX, the units, an example environment file.
-# Usage: sudo systemd/install.sh [--no-venv]      (PREFIX=/opt/cosyedge by default)
+# Usage: sudo [ORT_GPU=<onnxruntime-gpu wheel>] systemd/install.sh [--no-venv]      (PREFIX=/opt/cosyedge by default)
 # Offline boxes: set PIP_NO_INDEX=1 PIP_FIND_LINKS=/path/to/wheels before running it.
 set -eu
 PREFIX="${PREFIX:-/opt/cosyedge}"
@@ -11,6 +11,10 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 if [ "${1:-}" != "--no-venv" ]; then
     python3 -m venv "$PREFIX/venv"
     "$PREFIX/venv/bin/pip" install --upgrade "$REPO"
+    if [ -n "${ORT_GPU:-}" ]; then  # GPU runtime: onnxruntime-gpu (a Jetson wheel path) instead of onnxruntime
+        "$PREFIX/venv/bin/pip" uninstall -y onnxruntime
+        "$PREFIX/venv/bin/pip" install "$ORT_GPU"
+    fi
 fi
 [ -x "$PREFIX/venv/bin/cosyedge" ] || { echo "install.sh: $PREFIX/venv/bin/cosyedge is missing" >&2; exit 1; }
 

@@ -66,9 +66,11 @@ class CosyVoice2Pipeline(Pipeline):
             self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
                                 bundle.asset("speech_embedding"), bundle.asset("llm_embedding"),
                                 DecodeConfig.from_config(cfg))
-            self._decoder = DecodeScheduler(self._lm, DECODE_ROWS)
-            self._flow = Flow(s["flow_encoder"], s["flow_estimator"], np.load(bundle.asset("cfm_noise")),
-                              FlowConfig.from_config(cfg))
+            self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS))
+            self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)
+            noise = np.load(bundle.asset("cfm_noise"))
+            noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
+            self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg))
             self._vocoder = Vocoder(s["hift_source"], s["hift_decoder"], int(cfg["hift_upsample"]))
             self._stream_config = StreamConfig.from_config(cfg["stream"])
             self._mel_bins = int(cfg["mel"]["n_mels"])
@@ -134,7 +136,7 @@ class CosyVoice2Pipeline(Pipeline):
                 if tokens:
                     spoken.append((job, segment, inputs.flow, np.asarray(tokens, np.int64)))
         mels = {}
-        for batch in self._flow_batches(spoken):
+        for batch in self._flow_batches(spoken, self._flow_rows):
             for (job, segment, _, _), mel in zip(batch, self._flow.mels([s[2] for s in batch], [s[3] for s in batch])):
                 mels[job, segment] = mel
         out = []
@@ -151,14 +153,14 @@ class CosyVoice2Pipeline(Pipeline):
         return out
 
     @staticmethod
-    def _flow_batches(rows: list[tuple[int, int, FlowPrompt, np.ndarray]]) -> list[list]:
-        """Flow rows grouped by frame count (prompt + generated tokens): at most FLOW_ROWS per batch, and a new
+    def _flow_batches(rows: list[tuple[int, int, FlowPrompt, np.ndarray]], limit: int) -> list[list]:
+        """Flow rows grouped by frame count (prompt + generated tokens): at most `limit` per batch, and a new
         batch where padding would exceed a third of the longest row, so that batching saves calls, not adds work."""
         ordered = sorted(rows, key=lambda r: len(r[2].tokens) + len(r[3]))
         batches: list[list] = []
         for row in ordered:
             size = len(row[2].tokens) + len(row[3])
-            if batches and len(batches[-1]) < FLOW_ROWS and \
+            if batches and len(batches[-1]) < limit and \
                     3 * (len(batches[-1][0][2].tokens) + len(batches[-1][0][3])) >= 2 * size:
                 batches[-1].append(row)
             else:
