@@ -14,6 +14,15 @@ _KEEP_CATEGORIES = ("L", "N", "P", "Zs", "M")  # letters, numbers, punctuation, 
 _KEEP_SYMBOLS = set("$%&+=@#€£¥°/\\<>")
 _SENTENCE_END = re.compile(r"(?<=[.!?。！？…])\s+|(?<=[。！？])")
 _SPACES = re.compile(r"\s+")
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str) -> str:
+    """Refuse lone surrogates: JSON can carry them ("\\ud800"), but they are not characters and crash the
+    tokenizers and normalisers that receive them."""
+    if _SURROGATES.search(text):
+        raise InputError("text contains invalid Unicode (lone surrogate code points U+D800-U+DFFF)")
+    return text
 
 
 def normalize(text: str) -> str:
@@ -35,6 +44,7 @@ def validate(text: object, max_chars: int) -> str:
     """The request text, normalised; InputError for anything that cannot be spoken."""
     if not isinstance(text, str):
         raise InputError("text must be a string")
+    check_unicode(text)
     if not text.strip():
         raise EmptyTextError("text is empty")
     if len(text) > max_chars:

@@ -14,6 +14,7 @@ from typing import Callable
 from tokenizers import Tokenizer
 
 from cosyedge.device.errors import BundleError, InputError
+from cosyedge.device.text import check_unicode
 
 # Official split settings (`split_paragraph` arguments in `text_normalize`).
 TOKEN_MAX_N = 80
@@ -56,6 +57,7 @@ class TextFrontend:
         split=False is the zero-shot prompt-text path: the text is normalised but not cut into segments, and
         it is returned even when it is only punctuation (the split path drops such segments).
         """
+        check_unicode(text)
         if ("<|" in text and "|>" in text) or text == "":
             return [text]
         text = text.strip()

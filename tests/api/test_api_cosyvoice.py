@@ -1,6 +1,7 @@
 """The API over a real CosyVoice2 bundle (the tiny official-layout release): voices, registration, modes, streaming."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterator
 
@@ -145,4 +146,15 @@ def test_negative_seed_is_refused_before_the_queue(cv2_server, state):
     response = requests.post(cv2_server.url + "/v1/tts", json={"text": TEXT, "voice": "tiny_spk_zh", "seed": -1},
                              timeout=T)
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_parameter"
+    assert not (state / "api_dead_letter.jsonl").exists()
+
+
+@pytest.mark.parametrize("route, field", [("/v1/tts", "text"), ("/v1/audio/speech", "input")])
+@pytest.mark.parametrize("text", ["Hello \\ud800 world.", "\\u4f60\\u597d\\udfff\\u3002"])
+def test_lone_surrogates_are_a_400_not_a_500(cv2_server, state, route, field, text):
+    """Issue 10 (found by the property tests): JSON can carry a lone surrogate; the CosyVoice2 frontend crashed."""
+    body = ('{"%s": "%s", "voice": "tiny_spk_zh", "model": "tts-1"}' % (field, text)).encode()
+    status, _, raw = cv2_server.request("POST", route, body)
+    assert status == 400, raw[:300]
+    assert "lone surrogate" in json.loads(raw)["error"]["message"]
     assert not (state / "api_dead_letter.jsonl").exists()

@@ -114,11 +114,6 @@ def test_cosyvoice2_frontend_raises_only_input_error_and_stays_bounded(cv2_front
     _cosyvoice2_frontend_property(cv2_frontend, raw)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "defect (issue 10): a lone surrogate, which JSON can carry ('\\ud800'), passes text.validate and makes "
-    "TextFrontend.normalize raise TypeError in kaldifst (English path: normalize('\\ud800')) or encode raise "
-    "TypeError in tokenizers (Chinese path: normalize('你好\\udfff。') then encode); engine.segments on a CosyVoice2 "
-    "bundle raises TypeError, not InputError"))
 @settings(SETTINGS, max_examples=60, report_multiple_bugs=False)
 @given(_texts(surrogates=True))
 def test_cosyvoice2_frontend_with_lone_surrogates_raises_only_input_error(cv2_frontend, raw: str):
