@@ -47,7 +47,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
     engine = _engine(args)
     segment = engine.synthesize(text, voice=args.voice, speed=args.speed, deterministic=args.deterministic,
                                 seed=args.seed, sampling=args.sampling, mode=args.mode, instruct_text=args.instruct)
-    out.write_bytes(encode(segment, fmt, args.sample_rate))
+    try:
+        out.write_bytes(encode(segment, fmt, args.sample_rate))
+    except OSError as exc:  # a file system that refuses (read-only, /proc, full): the user's to fix
+        raise InputError(f"cannot write {out.name!r}: {exc.strerror or type(exc).__name__}") from None
     print(f"{out.name}: {segment.duration_seconds:.2f} s of audio at {args.sample_rate or segment.frame_rate} Hz", file=sys.stderr)
     return 0
 
@@ -172,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cosyedge: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug, not the user's input: still one line, the detail with -v
+        if args.verbose:
+            raise
+        print(f"cosyedge: internal error ({type(exc).__name__}); rerun with -v for the details", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

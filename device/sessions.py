@@ -49,7 +49,11 @@ class SessionConfig:
         if "tensorrt" in providers and PROVIDER_NAMES["tensorrt"] in ort.get_available_providers():  # CPU path: never
             from cosyedge.device.trt.providers import TrtSessionOptions
             trt = TrtSessionOptions.from_env()
-        return cls(providers=providers, intra_op_threads=int(os.environ.get("COSYEDGE_THREADS", "0")),
+        threads = os.environ.get("COSYEDGE_THREADS", "0").strip()
+        if not (threads.isascii() and threads.isdecimal() and len(threads) <= 4):
+            raise ProviderError(f"COSYEDGE_THREADS must be a whole number of threads (0 = one per core), "
+                                f"not {threads[:20]!r}")
+        return cls(providers=providers, intra_op_threads=int(threads),
                    trt_cache_dir=Path(cache) if cache else None, trt=trt)
 
     def row_limit(self, default: int) -> int:

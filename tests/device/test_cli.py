@@ -53,6 +53,7 @@ def test_synth_formats_and_sample_rate(home, tmp_path, fmt):
     (["synth", "hi", "-o", "{tmp}/missing/x.wav"], "output directory 'missing' does not exist"),
     (["synth", "hi", "-o", "{tmp}/x.wav", "--speed", "9"], "speed 9.0 is out of range"),
     (["synth", "hi", "-o", "{tmp}/x.wav", "--voice", "nobody"], "unknown voice 'nobody'"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--voice", "²"], "unknown voice '²'"),  # a digit, but not a speaker id
     (["synth", "hi", "-o", "{tmp}/x.xyz"], "unknown audio format 'xyz'"),
     (["synth", "😀", "-o", "{tmp}/x.wav"], "nothing speakable"),
     (["synth", "hi", "-o", "{tmp}/x.wav", "--bundle", "{tmp}"], "has no manifest.json"),
@@ -67,16 +68,21 @@ def test_cli_errors_are_one_clear_line(home, tmp_path, args, message):
     assert "Traceback" not in result.stderr and str(tmp_path) not in result.stderr
 
 
-def test_unwritable_output(home, tmp_path):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    result = cosyedge("synth", "hi", "-o", str(locked / "x.wav"), env_home=home)
-    locked.chmod(0o700)
-    if os.geteuid() == 0:  # root writes anywhere; the check still must not crash
-        assert result.returncode in (0, 2)
-    else:
-        assert result.returncode == 2 and "not writable" in result.stderr
+def test_unwritable_output(home):
+    """/proc takes no new files, for root too (root ignores permission bits, so a chmod'ed folder proves nothing)."""
+    result = cosyedge("synth", "hi", "-o", "/proc/cosyedge-test.wav", env_home=home)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert "cosyedge-test.wav" in result.stderr
+
+
+@pytest.mark.parametrize("threads", ["abc", "-1", "1e9", "99999999"])
+def test_bad_thread_count_is_one_line(home, tmp_path, threads):
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "synth", "hi", "-o", str(tmp_path / "x.wav")],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "COSYEDGE_HOME": str(home), "COSYEDGE_THREADS": threads})
+    assert result.returncode == 2 and "COSYEDGE_THREADS must be a whole number" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_voices_and_info(home, default_bundle_path):
