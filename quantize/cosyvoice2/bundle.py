@@ -17,7 +17,9 @@ import torch
 from cosyedge.device.bundle import Bundle, sha256_file
 from cosyedge.device.errors import ReleaseError
 from cosyedge.device.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
-from cosyedge.quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
+from cosyedge.quantize.cosyvoice2.flow import build_flow, fixed_noise
+from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
+from cosyedge.quantize.cosyvoice2.flow_export import export_flow
 from cosyedge.quantize.cosyvoice2.hift import build_hift, export_hift
 from cosyedge.quantize.cosyvoice2.gates import GateConfig
 from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm, embedding_tables, export_llm
