@@ -22,7 +22,8 @@ from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
 from cosyedge.quantize.cosyvoice2.flow_export import export_flow
 from cosyedge.quantize.cosyvoice2.hift import build_hift, export_hift
 from cosyedge.quantize.cosyvoice2.gates import GateConfig
-from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm, embedding_tables, export_llm
+from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm
+from cosyedge.quantize.cosyvoice2.llm_export import embedding_tables, export_llm
 from cosyedge.quantize.cosyvoice2.precision import build_targets
 from cosyedge.quantize.cosyvoice2.release import YAML_NAME, Release
 from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
