@@ -20,7 +20,8 @@ from cosyedge.device.bundle_writer import TOOL_VERSION, BundleWriter, check_out_
 from cosyedge.quantize.cosyvoice2.flow import build_flow, fixed_noise
 from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
 from cosyedge.quantize.cosyvoice2.flow_export import export_flow
-from cosyedge.quantize.cosyvoice2.hift import build_hift, export_hift
+from cosyedge.quantize.cosyvoice2.hift import build_hift
+from cosyedge.quantize.cosyvoice2.hift_export import export_hift
 from cosyedge.quantize.cosyvoice2.gates import GateConfig
 from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm
 from cosyedge.quantize.cosyvoice2.llm_export import embedding_tables, export_llm
