@@ -98,7 +98,7 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                  ) -> Path:
     """Build a `cosyvoice2` bundle from an official release directory; returns the bundle path.
 
-    The fp32 graphs are always written; each of `targets` (cpu, gpu-fp16, trt-int8; see precision.py) adds its
+    The fp32 graphs are always written; each of `targets` (cpu, gpu-fp16, trt-int8; see precision_targets.py) adds its
     graphs after every quantized stage passed its quality gate against fp32 (gates.py). A missed gate raises
     ReleaseError naming the stage unless `allow_fallback` (then the stage keeps a higher precision).
     """
