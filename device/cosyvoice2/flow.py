@@ -1,6 +1,6 @@
 """CosyVoice2 flow on ONNX Runtime: speech tokens -> mel with the numpy Euler loop around the estimator graph.
 
-Graph signatures and the exact Euler recipe: quantize/cosyvoice2/flow.py. The CFM noise is the bundle's fixed
+Graph signatures and the exact Euler recipe: quantize/cosyvoice2/flow_export.py. The CFM noise is the bundle's fixed
 tensor (the official seed-0 draw) sliced to the frame count, which is what makes streaming chunks reproduce the
 mel of earlier chunks. Speed changes are a linear time interpolation of the final mel (torch `interpolate`
 semantics, align_corners=False), as the official non-streaming path does.

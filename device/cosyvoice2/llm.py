@@ -1,6 +1,6 @@
 """CosyVoice2 LLM on ONNX Runtime: lm_input assembly from the bundle's embedding tables and KV-cache decoding.
 
-Graph signatures: quantize/cosyvoice2/llm.py. The KV cache never round-trips through numpy: the prefill's
+Graph signatures: quantize/cosyvoice2/llm_export.py. The KV cache never round-trips through numpy: the prefill's
 `present_*` outputs stay ORT values (on the session's device) and are bound as the next step's `past_*` inputs;
 only the logits [B, V] are copied out for sampling.
 

@@ -1,6 +1,6 @@
 """CosyVoice2 HiFT vocoder on ONNX Runtime, and its per-request streaming cache.
 
-Graph signatures: quantize/cosyvoice2/hift.py. The NSF source noise is an input: zeros for deterministic
+Graph signatures: quantize/cosyvoice2/hift_export.py. The NSF source noise is an input: zeros for deterministic
 requests, else a standard normal draw from the request's own generator.
 
 Streaming (official v2 rules): each chunk's mel is prefixed with the last `mel_cache_frames` mel frames of the

@@ -17,10 +17,14 @@ import torch
 from cosyedge.device.bundle import Bundle, sha256_file
 from cosyedge.device.errors import ReleaseError
 from cosyedge.device.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
-from cosyedge.quantize.cosyvoice2.flow import FlowConfig, build_flow, export_flow, fixed_noise
-from cosyedge.quantize.cosyvoice2.hift import build_hift, export_hift
+from cosyedge.quantize.cosyvoice2.flow import build_flow, fixed_noise
+from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
+from cosyedge.quantize.cosyvoice2.flow_export import export_flow
+from cosyedge.quantize.cosyvoice2.hift import build_hift
+from cosyedge.quantize.cosyvoice2.hift_export import export_hift
 from cosyedge.quantize.cosyvoice2.gates import GateConfig
-from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm, embedding_tables, export_llm
+from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm
+from cosyedge.quantize.cosyvoice2.llm_export import embedding_tables, export_llm
 from cosyedge.quantize.cosyvoice2.precision import build_targets
 from cosyedge.quantize.cosyvoice2.release import YAML_NAME, Release
 from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
@@ -94,7 +98,7 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                  ) -> Path:
     """Build a `cosyvoice2` bundle from an official release directory; returns the bundle path.
 
-    The fp32 graphs are always written; each of `targets` (cpu, gpu-fp16, trt-int8; see precision.py) adds its
+    The fp32 graphs are always written; each of `targets` (cpu, gpu-fp16, trt-int8; see precision_targets.py) adds its
     graphs after every quantized stage passed its quality gate against fp32 (gates.py). A missed gate raises
     ReleaseError naming the stage unless `allow_fallback` (then the stage keeps a higher precision).
     """

@@ -1,7 +1,6 @@
-"""CosyVoice2 LLM stage (`Qwen2LM`): our own Qwen2 body, lm_input assembly, KV-cache decoding, ONNX export.
+"""CosyVoice2 LLM stage (`Qwen2LM`): lm_input assembly, the shared causal pass, KV-cache greedy decoding.
 
-Why our own Qwen2 and not transformers: transformers 5.x attends wrongly in the official one-position KV-cache
-decode call, and the exported graphs must be plain, shape-dynamic ONNX. Every size comes from the release
+The Qwen2 body it wraps is our own (llm_qwen2.py, why there). Every size comes from the release
 (`cosyvoice2.yaml` `llm:` entry + `CosyVoice-BlankEN/config.json`); the state-dict keys are the official ones, so
 `llm.pt` loads strictly. The 151936-way text head (`llm.model.lm_head.weight`, tied to `embed_tokens` when the
 config ties) is kept as a parameter only so that checkpoints round-trip; it is never computed.
@@ -12,39 +11,11 @@ int(n_text * 2) / int(n_text * 20), counted over the target text tokens only (pr
 lm_input = [llm_embedding[0] (sos)] ++ embed_tokens(prompt_text ++ text) ++ [llm_embedding[1] (task_id)]
 ++ speech_embedding(prompt_speech_tokens). Decode step i feeds speech_embedding[token_{i-1}] at the next position.
 
-ONNX graphs written by `export_llm` (opset 17, standard ops only, float32; the embedding tables are NOT inside:
-the runtime gathers rows from `embedding_tables()` with numpy and feeds embeddings). Symbols: B batch, L prompt
-length, P cached length, H hidden size, NL layers, KV key/value heads, D head dim, V speech vocabulary.
-
-`llm_prefill.onnx`
-  inputs   inputs_embeds   float32 [B, L, H]   the lm_input (padded rows may hold anything, e.g. zeros)
-           attention_mask  int64   [B, L]      1 = real position, 0 = padding; right or left padding both work
-  outputs  logits          float32 [B, V]      raw `llm_decoder` output (no log_softmax) at the LAST position whose
-                                               mask is 1 in each row
-           present_key     float32 [NL, B, KV, L, D]   RoPE already applied; one slot per input position
-           present_value   float32 [NL, B, KV, L, D]
-  Positions are cumsum(attention_mask) - 1 (so a left-padded row starts at 0 on its first real position).
-
-`llm_decode.onnx`
-  inputs   inputs_embeds   float32 [B, 1, H]   speech_embedding[previous token]
-           past_key        float32 [NL, B, KV, P, D]   present_key of the previous call
-           past_value      float32 [NL, B, KV, P, D]
-           attention_mask  int64   [B, P + 1]  the mask of every cached slot, then 1 for the new position
-           position_ids    int64   [B, 1]      number of real positions already in the cache for that row
-  outputs  logits          float32 [B, V]
-           present_key     float32 [NL, B, KV, P + 1, D]
-           present_value   float32 [NL, B, KV, P + 1, D]
-
-Greedy decoding with the graphs (batch 1, no padding): prefill with mask ones; then for step i = 0, 1, ...:
-logits -> eos -inf if i < min_len -> argmax -> stop if in the stop set or i == max_len, else feed that token's
-speech_embedding row with position_ids = L + i and mask ones(L + i + 1).
+The ONNX graphs (prefill / decode) and the embedding tables the runtime gathers from are in llm_export.py.
 """
 from __future__ import annotations
 
-import math
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -52,58 +23,11 @@ import torch
 from torch import nn
 
 from cosyedge.device.errors import ReleaseError
+from cosyedge.quantize.cosyvoice2.llm_qwen2 import Qwen2Body, Qwen2Config, Qwen2Encoder
 from cosyedge.quantize.cosyvoice2.release import Release, check_state
 
 CHECKPOINT_NAME = "llm.pt"
 QWEN2LM_TARGET = "cosyvoice.llm.llm.Qwen2LM"
-PREFILL_NAME = "llm_prefill.onnx"
-DECODE_NAME = "llm_decode.onnx"
-ONNX_OPSET = 17
-
-
-@dataclass(frozen=True)
-class Qwen2Config:
-    """The Qwen2 body sizes, read from `CosyVoice-BlankEN/config.json`."""
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rope_theta: float
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_json(cls, cfg: dict[str, Any]) -> "Qwen2Config":
-        name = "CosyVoice-BlankEN/config.json"
-        try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            config = cls(
-                hidden_size=hidden,
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate_size=int(cfg["intermediate_size"]),
-                vocab_size=int(cfg["vocab_size"]),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            )
-        except KeyError as exc:
-            raise ReleaseError(f"{name}: missing key {exc.args[0]!r}") from None
-        if config.num_heads % config.num_kv_heads:
-            raise ReleaseError(f"{name}: num_attention_heads {heads} is not a multiple of num_key_value_heads")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ReleaseError(f"{name}: hidden_act {cfg['hidden_act']!r} is not supported (expected 'silu')")
-        if cfg.get("use_sliding_window"):
-            raise ReleaseError(f"{name}: use_sliding_window is not supported")
-        if cfg.get("rope_scaling"):
-            raise ReleaseError(f"{name}: rope_scaling is not supported")
-        return config
 
 
 @dataclass(frozen=True)
@@ -142,119 +66,6 @@ class LLMConfig:
     def min_max_len(self, n_text_tokens: int) -> tuple[int, int]:
         """Length limits of the generated speech tokens, from the target text length (prompt text excluded)."""
         return int(n_text_tokens * self.min_token_text_ratio), int(n_text_tokens * self.max_token_text_ratio)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class Qwen2Attention(nn.Module):
-    """Grouped-query attention: queries are grouped per key/value head, so K/V are never repeated."""
-
-    def __init__(self, c: Qwen2Config) -> None:
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=True)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=True)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=True)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
-                past_key: torch.Tensor | None, past_value: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        c = self.c
-        b, n = x.shape[0], x.shape[1]
-        q = self.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).reshape(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        if past_key is not None:
-            k = torch.cat((past_key, k), dim=2)
-            v = torch.cat((past_value, v), dim=2)
-        group = c.num_heads // c.num_kv_heads
-        qg = q.reshape(b, c.num_kv_heads, group, n, c.head_dim)           # head h -> kv head h // group
-        scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(c.head_dim))
-        # `where`, not an additive -inf: a fully padded query row stays finite instead of NaN.
-        scores = torch.where(allowed, scores, torch.finfo(scores.dtype).min)
-        out = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(2))  # [b, kv, group, n, d]
-        out = out.reshape(b, c.num_heads, n, c.head_dim).transpose(1, 2).reshape(b, n, c.num_heads * c.head_dim)
-        return self.o_proj(out), k, v
-
-
-class Qwen2MLP(nn.Module):
-    def __init__(self, c: Qwen2Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Qwen2DecoderLayer(nn.Module):
-    def __init__(self, c: Qwen2Config) -> None:
-        super().__init__()
-        self.self_attn = Qwen2Attention(c)
-        self.mlp = Qwen2MLP(c)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
-                past_key: torch.Tensor | None, past_value: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, allowed, past_key, past_value)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), k, v
-
-
-class Qwen2Body(nn.Module):
-    """`llm.model.model`: text embedding table, decoder layers, final norm."""
-
-    def __init__(self, c: Qwen2Config) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(c) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-
-class TextHead(nn.Module):
-    """`llm.model.lm_head`: held only so that official checkpoints load strictly; never computed."""
-
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
-
-
-class Qwen2CausalLM(nn.Module):
-    """`llm.model`: the Hugging Face Qwen2ForCausalLM layout (body + text head)."""
-
-    def __init__(self, c: Qwen2Config) -> None:
-        super().__init__()
-        self.model = Qwen2Body(c)
-        head = self.model.embed_tokens.weight if c.tie_word_embeddings else \
-            nn.Parameter(torch.empty(c.vocab_size, c.hidden_size).normal_(0.0, 0.02))
-        self.lm_head = TextHead(head)
-
-
-class Qwen2Encoder(nn.Module):
-    """`llm`: the official wrapper around Qwen2ForCausalLM."""
-
-    def __init__(self, c: Qwen2Config) -> None:
-        super().__init__()
-        self.model = Qwen2CausalLM(c)
 
 
 @dataclass(frozen=True)
@@ -392,80 +203,3 @@ def build_llm(release: Release) -> Qwen2LM:
     module = build_llm_random(release.hparams, release.qwen_config)
     load_llm_state(module, release.checkpoint(CHECKPOINT_NAME))
     return module
-
-
-def embedding_tables(module: Qwen2LM) -> dict[str, np.ndarray]:
-    """float32 tables the runtime gathers from: embed_tokens [text vocab, H], speech_embedding [V, H],
-    llm_embedding [2, H] (row 0 sos, row 1 task_id)."""
-    return {
-        "embed_tokens": module.body.embed_tokens.weight.detach().cpu().numpy().astype(np.float32),
-        "speech_embedding": module.speech_embedding.weight.detach().cpu().numpy().astype(np.float32),
-        "llm_embedding": module.llm_embedding.weight.detach().cpu().numpy().astype(np.float32),
-    }
-
-
-class PrefillGraph(nn.Module):
-    """Export wrapper: (inputs_embeds, attention_mask) -> (logits, present_key, present_value)."""
-
-    def __init__(self, lm: Qwen2LM) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.lm.prefill(inputs_embeds, attention_mask)
-
-
-class DecodeGraph(nn.Module):
-    """Export wrapper: (inputs_embeds, past_key, past_value, attention_mask, position_ids) -> (logits, present_*)."""
-
-    def __init__(self, lm: Qwen2LM) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, inputs_embeds: torch.Tensor, past_key: torch.Tensor, past_value: torch.Tensor,
-                attention_mask: torch.Tensor, position_ids: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.lm.forward(inputs_embeds, attention_mask, position_ids, past_key, past_value)
-
-
-def export_llm(module: Qwen2LM, out_dir: Path) -> dict[str, Path]:
-    """Write llm_prefill.onnx and llm_decode.onnx (signatures in the module docstring) into out_dir.
-
-    Traced with the TorchScript exporter (no onnxscript needed); example shapes use B = 2 and distinct
-    lengths so that no dynamic dimension is specialised. Each graph carries its own copy of the weights.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    module = module.eval()
-    c = module.config.qwen
-    b, n, p = 2, 5, 3
-    embeds = torch.randn(b, n, c.hidden_size)
-    mask = torch.ones(b, n, dtype=torch.int64)
-    cache = torch.randn(c.num_layers, b, c.num_kv_heads, p, c.head_dim)
-    cache_axes = {1: "batch", 3: "past"}
-    present_axes = {1: "batch", 3: "total"}
-    jobs = {
-        "llm_prefill": (
-            PrefillGraph(module), (embeds, mask), ["inputs_embeds", "attention_mask"],
-            {"inputs_embeds": {0: "batch", 1: "length"}, "attention_mask": {0: "batch", 1: "length"},
-             "logits": {0: "batch"}, "present_key": present_axes, "present_value": present_axes}),
-        "llm_decode": (
-            DecodeGraph(module),
-            (embeds[:, :1], cache, cache.clone(), torch.ones(b, p + 1, dtype=torch.int64),
-             torch.full((b, 1), p, dtype=torch.int64)),
-            ["inputs_embeds", "past_key", "past_value", "attention_mask", "position_ids"],
-            {"inputs_embeds": {0: "batch"}, "past_key": cache_axes, "past_value": cache_axes,
-             "attention_mask": {0: "batch", 1: "total"}, "position_ids": {0: "batch"},
-             "logits": {0: "batch"}, "present_key": present_axes, "present_value": present_axes}),
-    }
-    paths: dict[str, Path] = {}
-    for name, (graph, args, input_names, axes) in jobs.items():
-        path = out_dir / f"{name}.onnx"
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
-            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET,
-                              input_names=input_names, output_names=["logits", "present_key", "present_value"],
-                              dynamic_axes=axes, do_constant_folding=True)
-        paths[name] = path
-    return paths

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.cosyvoice2.flow import (ENCODER_NAME, ESTIMATOR_NAME, CausalMaskedDiffWithXvec, build_flow,
-                                      build_flow_random, export_flow, fixed_noise, load_flow_state,
-                                      prompt_condition)
+from cosyedge.quantize.cosyvoice2.flow import (CausalMaskedDiffWithXvec, build_flow, build_flow_random, fixed_noise,
+                                               load_flow_state, prompt_condition)
+from cosyedge.quantize.cosyvoice2.flow_export import ENCODER_NAME, ESTIMATOR_NAME, export_flow
 from cosyedge.quantize.cosyvoice2.release import Release
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.cosyvoice2.hift import (HiFTConfig, HiFTGenerator, build_hift, build_hift_random, export_hift,
-                                      load_hift_state)
+from cosyedge.quantize.cosyvoice2.hift import HiFTConfig, HiFTGenerator, build_hift, build_hift_random, load_hift_state
+from cosyedge.quantize.cosyvoice2.hift_export import export_hift
 from cosyedge.quantize.cosyvoice2.release import Node, Release
 
 F0_ATOL = 1e-3

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.cosyvoice2.llm import (LLMConfig, Qwen2LM, build_llm, build_llm_random, embedding_tables,
-                                     export_llm, greedy_choice, load_llm_state)
+from cosyedge.quantize.cosyvoice2.llm import (LLMConfig, Qwen2LM, build_llm, build_llm_random, greedy_choice,
+                                              load_llm_state)
+from cosyedge.quantize.cosyvoice2.llm_export import embedding_tables, export_llm
 from cosyedge.quantize.cosyvoice2.release import Release
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden"

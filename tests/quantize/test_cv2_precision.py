@@ -19,7 +19,7 @@ import pytest
 
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.cosyvoice2 import precision
+from cosyedge.quantize.cosyvoice2 import precision, precision_targets
 from cosyedge.quantize.cosyvoice2.gates import THRESHOLDS, GateConfig, Gates, session
 
 GRAPHS = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
@@ -78,7 +78,7 @@ def test_manifest_lists_each_target_with_its_gate_reports(bundle):
         assert entry["validated_with"] == "onnxruntime-cpu" and set(entry["graphs"]) == set(GRAPHS)
         for graph, ref in entry["graphs"].items():
             bundle.component(ref["component"], ref["precision"])  # every graph of a target is a hashed component
-        for stage, ladder in precision.LADDERS[target].items():
+        for stage, ladder in precision_targets.LADDERS[target].items():
             report = manifest.quality[target][stage]
             assert report["precision"] == entry["stages"][stage]
             attempts = report["attempts"]
@@ -94,7 +94,7 @@ def test_manifest_lists_each_target_with_its_gate_reports(bundle):
         e2e = manifest.quality[target]["e2e"]
         if entry["stages"]["flow"] != "fp32" or entry["stages"]["hift"] != "fp32":
             assert e2e["attempts"][-1]["passed"]
-    assert targets["cpu"]["llm_int8"] == precision.CPU_LLM_METHOD
+    assert targets["cpu"]["llm_int8"] == precision_targets.CPU_LLM_METHOD
 
 
 def test_gpu_fp16_passes_every_stage_gate(bundle):
@@ -162,10 +162,10 @@ def test_trt_int8_graphs_follow_tensorrt_qdq_rules(fp32, gate_config, tmp_path):
     calibration["hift_decoder"] = gates.hift_calibration(mels)
     built = {}
     for graph in ("llm_decode", "flow_estimator", "hift_decoder"):
-        v = precision.variant("trt-int8", graph, "int8")
+        v = precision_targets.variant("trt-int8", graph, "int8")
         assert v.component == f"trt_{graph}"
-        built[graph] = precision.build_variant(v, fp32[graph], tmp_path / f"{v.component}.int8.onnx",
-                                               calibration[graph])
+        built[graph] = precision_targets.build_variant(v, fp32[graph], tmp_path / f"{v.component}.int8.onnx",
+                                                       calibration[graph])
         model = onnx.load(str(built[graph]))
         assert {o.domain for o in model.opset_import} <= {"", "ai.onnx"}    # TensorRT parses standard ops only
         qdq = _scale_zero(model)
@@ -206,15 +206,15 @@ def _flip_one_layer(path: Path, op_type: str, pattern: str) -> None:
 def broken(monkeypatch):
     """Patch build_variant so that one graph comes out with one layer's weight signs flipped."""
     def install(graph: str, op_type: str, pattern: str) -> None:
-        original = precision.build_variant
+        original = precision_targets.build_variant
 
-        def build(v, src, dst, calibration, cpu_llm_method=precision.CPU_LLM_METHOD):
+        def build(v, src, dst, calibration, cpu_llm_method=precision_targets.CPU_LLM_METHOD):
             path = original(v, src, dst, calibration, cpu_llm_method)
             if v.graph == graph and v.precision == "int8":
                 _flip_one_layer(path, op_type, pattern)
             return path
 
-        monkeypatch.setattr(precision, "build_variant", build)
+        monkeypatch.setattr(precision, "build_variant", build)   # the name build_targets calls
     return install
 
 

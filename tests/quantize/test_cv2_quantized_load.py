@@ -30,7 +30,7 @@ import onnxruntime as ort
 import pytest
 
 from cosyedge.device.bundle import Bundle
-from cosyedge.quantize.cosyvoice2 import precision
+from cosyedge.quantize.cosyvoice2 import precision_targets
 from cosyedge.quantize.cosyvoice2.bundle import write_bundle
 from cosyedge.quantize.cosyvoice2.gates import DECISIVE_NATS, THRESHOLDS, GateConfig, Gates, log_softmax
 from cosyedge.quantize.cosyvoice2.random_init import write_random_release
@@ -72,8 +72,8 @@ def test_tiny_preset_has_the_golden_tiny_sizes(gated_release, golden_dir, releas
 def _expected(target: str) -> dict[str, dict[str, str]]:
     """Graph -> {component, precision} when every stage of `target` is at the bottom of its ladder (int8)."""
     return {v.graph: {"component": v.component, "precision": v.precision}
-            for stage, ladder in precision.LADDERS[target].items()
-            for v in precision.stage_variants(target, stage, ladder[0])}
+            for stage, ladder in precision_targets.LADDERS[target].items()
+            for v in precision_targets.stage_variants(target, stage, ladder[0])}
 
 
 def _quantized(target: str) -> dict[str, dict[str, str]]:

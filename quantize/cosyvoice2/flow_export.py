@@ -1,0 +1,132 @@
+"""ONNX export of the CosyVoice2 flow stage: the graph contract between the build host and the runtime.
+
+The flow is split into two graphs so that the 10-step CFG Euler loop runs in numpy on the device (the loop count,
+the guidance rate and the fixed noise stay data, not graph structure, and one estimator graph serves every step).
+
+ONNX graphs written by `export_flow` (opset 17, standard ops, float32). Symbols: N tokens that produce mel (prompt
+tokens ++ generated tokens), K = pre_lookahead_len (3; metadata `pre_lookahead_len`), T = token_mel_ratio * N mel
+frames (metadata `token_mel_ratio`, 2), B batch (the CFG pair, or several requests stacked), E = spk_embed_dim (192),
+M = mel bins (80). Flags are int64 [1] with value 0 or 1 (one graph covers both modes; no second variant).
+
+`flow_encoder.onnx` (batch 1)
+  inputs   token      int64   [1, N + K]  prompt tokens ++ generated tokens ++ K look-ahead tokens. When finalize=1
+                                          the last K entries are placeholders (any id, e.g. 0): the official zero
+                                          padding replaces them.
+           embedding  float32 [1, E]      speaker embedding (CAM++ / spk2info), not normalised
+           finalize   int64   [1]         1: last call of a request (zero look-ahead); 0: streaming chunk whose last K
+                                          tokens are look-ahead context
+           streaming  int64   [1]         1: chunk-causal attention (streaming chunks); 0: full attention
+                                          (non-streaming requests and the final streaming call)
+  outputs  mu         float32 [1, M, T]   CFM condition (encoder_proj output, channels first)
+           spks       float32 [1, M]      projected speaker embedding
+
+`flow_estimator.onnx` (one velocity evaluation; the Euler loop runs outside, in numpy)
+  inputs   x          float32 [B, M, T]   current sample
+           mask       float32 [B, 1, T]   1 on real frames, 0 on right padding (rows of different lengths)
+           mu         float32 [B, M, T]   encoder output (zeros in the unconditional CFG row)
+           t          float32 [B]         flow time of this step
+           spks       float32 [B, M]      speaker vector (zeros in the unconditional row)
+           cond       float32 [B, M, T]   prompt mel in the first frames, zeros after (all zeros in the uncond. row)
+           streaming  int64   [1]         1: chunk-causal attention with metadata `estimator_chunk` frames; 0: full
+  outputs  velocity   float32 [B, M, T]
+
+Graph metadata (`metadata_props`): pre_lookahead_len, token_mel_ratio, n_timesteps, inference_cfg_rate,
+encoder_chunk, estimator_chunk, estimator_left_chunks, mel_bins, spk_embed_dim.
+
+The Euler loop for one request, exactly as the official `solve_euler` (float32 throughout):
+  t_span = 1 - cos(linspace(0, 1, n_timesteps + 1) * pi/2); x = noise[:, :, :T]   (fixed noise, `fixed_noise()`)
+  t = t_span[0]; dt = t_span[1] - t_span[0]
+  for step in 1..n_timesteps:
+      v = velocity(x=[x, x], mask=[1, 1], mu=[mu, 0], t=[t, t], spks=[spks, 0], cond=[cond, 0])
+      x = x + dt * ((1 + r) * v[0] - r * v[1]);  t = t + dt;  dt = t_span[step + 1] - t  (if step < n_timesteps)
+  mel = x[:, :, token_mel_ratio * P:]   (P prompt tokens; cond = prompt mel (1, 2P, M) transposed, zero-padded to T)
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, CausalMaskedDiffWithXvec
+from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
+
+ENCODER_NAME = "flow_encoder"
+ESTIMATOR_NAME = "flow_estimator"
+ONNX_OPSET = 17
+
+
+class EncoderGraph(nn.Module):
+    def __init__(self, flow: CausalMaskedDiffWithXvec) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def forward(self, token: torch.Tensor, embedding: torch.Tensor, finalize: torch.Tensor, streaming: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.flow.encode(token, embedding, finalize, streaming)
+
+
+class EstimatorGraph(nn.Module):
+    def __init__(self, flow: CausalMaskedDiffWithXvec) -> None:
+        super().__init__()
+        self.flow = flow
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+                cond: torch.Tensor, streaming: torch.Tensor) -> torch.Tensor:
+        return self.flow.velocity(x, mask, mu, t, spks, cond, streaming)
+
+
+def graph_metadata(c: FlowConfig) -> dict[str, str]:
+    """What the runtime needs beside the graphs (written into both files' metadata_props)."""
+    return {
+        "pre_lookahead_len": str(c.pre_lookahead_len), "token_mel_ratio": str(c.token_mel_ratio),
+        "n_timesteps": str(N_TIMESTEPS), "inference_cfg_rate": repr(c.inference_cfg_rate),
+        "encoder_chunk": str(c.encoder.static_chunk_size), "estimator_chunk": str(c.estimator.static_chunk_size),
+        "estimator_left_chunks": str(c.estimator.num_decoding_left_chunks), "mel_bins": str(c.mel_bins),
+        "spk_embed_dim": str(c.spk_embed_dim),
+    }
+
+
+def export_flow(module: CausalMaskedDiffWithXvec, out_dir: Path) -> dict[str, Path]:
+    """Write flow_encoder.onnx and flow_estimator.onnx (signatures in the module docstring) into out_dir.
+
+    Traced with the TorchScript exporter; example shapes use distinct sizes so that no dynamic dimension is
+    specialised, and both flags are graph inputs (one graph covers streaming and non-streaming calls).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    module = module.eval()
+    c = module.config
+    b, size = 3, 2 * 7
+    flag = torch.ones(1, dtype=torch.int64)
+    jobs = {
+        ENCODER_NAME: (
+            EncoderGraph(module),
+            (torch.randint(0, c.vocab_size, (1, 7 + c.pre_lookahead_len)), torch.randn(1, c.spk_embed_dim), flag,
+             flag),
+            ["token", "embedding", "finalize", "streaming"], ["mu", "spks"],
+            {"token": {1: "tokens"}, "mu": {2: "frames"}}),
+        ESTIMATOR_NAME: (
+            EstimatorGraph(module),
+            (torch.randn(b, c.mel_bins, size), torch.ones(b, 1, size), torch.randn(b, c.mel_bins, size),
+             torch.rand(b), torch.randn(b, c.mel_bins), torch.randn(b, c.mel_bins, size), flag),
+            ["x", "mask", "mu", "t", "spks", "cond", "streaming"], ["velocity"],
+            {name: {0: "batch", 2: "frames"} for name in ("x", "mask", "mu", "cond", "velocity")}
+            | {"t": {0: "batch"}, "spks": {0: "batch"}}),
+    }
+    paths: dict[str, Path] = {}
+    for name, (graph, args, inputs, outputs, axes) in jobs.items():
+        path = out_dir / f"{name}.onnx"
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
+            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET, input_names=inputs,
+                              output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
+        model = onnx.load(str(path))
+        if name == ENCODER_NAME:  # the tracer leaves mu's batch axis unnamed; it is 1
+            model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 1
+        onnx.helper.set_model_props(model, graph_metadata(c))
+        onnx.save(model, str(path))
+        paths[name] = path
+    return paths

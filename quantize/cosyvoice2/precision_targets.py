@@ -1,0 +1,140 @@
+"""Precision targets of a `cosyvoice2` bundle: which transform each graph of each stage gets, per target.
+
+Three targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision targets"):
+
+* `cpu` (ONNX Runtime CPU): LLM graphs with int8 weights (`CPU_LLM_METHOD`, chosen by measurement on the full-size
+  graph: weight-only `MatMulNBits` 8-bit blocks); the flow estimator as static int8 QDQ calibrated on estimator inputs
+  recorded from fp32 runs; the flow encoder and the HiFT source stay fp32; the HiFT decoder becomes int8 only where
+  its gate passes.
+* `gpu-fp16`: every graph but the HiFT source in fp16 with fp32 islands (norms, softmax, residual stream, time
+  embedding, exp / iSTFT) and fp32 graph inputs and outputs, so the runtime feeds the same arrays.
+* `trt-int8`: explicit symmetric QDQ for TensorRT (int8 weights per output channel, activations per tensor, zero
+  points 0) on MatMul / Conv / Gemm, fp16 elsewhere; TensorRT cannot be installed on the build host, so these graphs
+  are validated with ONNX Runtime CPU.
+
+`INT8_EXCLUDE` keeps the time embedding, the f0 predictor, the STFT / iSTFT and the speech-token head out of int8;
+`FP32_NAMES` are the fp32 islands of the fp16 graphs. The transforms themselves are in precision_transforms.py,
+the ladder walk under the quality gates in precision.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+
+from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_weights_dynamic,
+                                                               int8_weights_nbits, name_matches, static_int8_qdq,
+                                                               to_fp16)
+
+CPU_LLM_METHOD = "matmul_nbits"   # measured faster than "dynamic" (MatMulInteger) per decode token at full size
+
+# Node names (regular expressions, searched) kept out of int8 per graph: the time embedding of the estimator with
+# its per-block time projections (`mlp`) and the final projection, the speech-token head of the LLM, the f0
+# predictor / source of HiFT, the DFT-basis STFT / iSTFT convolutions (top-level `/Conv`, `/ConvTranspose*`) and
+# the log-magnitude projection before the exp.
+INT8_EXCLUDE: dict[str, tuple[str, ...]] = {
+    "llm_prefill": (r"^/llm_decoder/",),
+    "llm_decode": (r"^/llm_decoder/",),
+    "flow_encoder": (r"^/spk_embed_affine_layer/", r"^/encoder/embed/", r"^/encoder/up_embed/"),
+    "flow_estimator": (r"/time_mlp/", r"/time_embeddings", r"/mlp/", r"^/estimator/final_proj/"),
+    "hift_source": (r".",),
+    "hift_decoder": (r"^/Conv$", r"^/ConvTranspose", r"^/conv_post/"),
+}
+# Per-graph name patterns for the fp32 islands of an fp16 graph beyond precision_transforms.FP32_OPS: RMSNorm /
+# LayerNorm subgraphs, the LLM residual stream (layer-level Adds), rotary tables, the estimator time embedding,
+# HiFT's Snake reciprocal and the iSTFT tail.
+TOP_LEVEL = r"^/[A-Za-z]+(_\d+)?$"    # graph-level glue: masks, positions, rotary tables, output picks
+FP32_NAMES: dict[str, tuple[str, ...]] = {
+    "llm_prefill": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
+    "llm_decode": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
+    "flow_encoder": (TOP_LEVEL, r"norm", r"^/encoder/embed/", r"^/encoder/up_embed/", r"^/spk_embed_affine_layer/",
+                     r"^/encoder/[A-Za-z]+(_\d+)?$"),
+    "flow_estimator": (TOP_LEVEL, r"norm", r"/time_mlp/", r"/time_embeddings", r"^/estimator/[A-Za-z]+(_\d+)?$",
+                       r"^/estimator/final_proj/"),
+    "hift_source": (r".",),
+    "hift_decoder": (TOP_LEVEL, r"^/conv_post/"),
+}
+
+
+def fp32_island(graph_name: str, quantized: bool = False) -> Callable[[onnx.NodeProto], bool]:
+    """keep_fp32 predicate of `graph_name`; with `quantized`, QDQ-quantized ops also stay fp32 (their DQ outputs
+    are float32 in opset 17, and TensorRT fuses DQ -> op -> Q into one int8 kernel either way)."""
+    patterns = FP32_NAMES.get(graph_name, ())
+
+    def keep(node: onnx.NodeProto) -> bool:
+        return name_matches(node.name, patterns) or (quantized and node.op_type in QUANTIZED_OPS)
+
+    return keep
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One graph of one target at one precision: the bundle component (name, precision) it is stored as."""
+    graph: str
+    component: str
+    precision: str
+
+
+def variant(target: str, graph: str, precision: str) -> Variant:
+    """Component naming: fp32/fp16 graphs and cpu int8 graphs keep the graph name; trt-int8 QDQ graphs are
+    `trt_<graph>` (they differ from the cpu int8 graphs of the same name and precision)."""
+    if target == "trt-int8" and precision == "int8":
+        return Variant(graph, f"trt_{graph}", precision)
+    return Variant(graph, graph, precision)
+
+
+def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[str, np.ndarray]] | None,
+                  cpu_llm_method: str = CPU_LLM_METHOD) -> Path:
+    """Write the graph of variant `v` from its fp32 export `fp32` into `dst`."""
+    exclude = INT8_EXCLUDE.get(v.graph, ())
+    if v.precision == "fp16":
+        return to_fp16(fp32, dst, fp32_island(v.graph))
+    if v.precision != "int8":
+        raise ValueError(f"no transform to {v.precision}")
+    if v.component == v.graph and v.graph.startswith("llm_"):
+        method = {"matmul_nbits": int8_weights_nbits, "dynamic": int8_weights_dynamic}[cpu_llm_method]
+        return method(fp32, dst, exclude)
+    qdq = dst.with_name(f"{dst.stem}.qdq32.onnx") if v.component != v.graph else dst
+    static_int8_qdq(fp32, qdq, calibration or (), exclude)
+    if v.component == v.graph:
+        return dst
+    to_fp16(qdq, dst, fp32_island(v.graph, quantized=True))
+    qdq.unlink()
+    return dst
+
+
+# Per target: the precision ladder of each stage, tried in order (the last one is the safe fallback), and the
+# graphs of each stage that change precision (the others stay fp32).
+STAGE_GRAPHS = {"llm": ("llm_prefill", "llm_decode"), "flow": ("flow_encoder", "flow_estimator"),
+                "hift": ("hift_source", "hift_decoder")}
+LADDERS: dict[str, dict[str, tuple[str, ...]]] = {
+    "cpu": {"llm": ("int8", "fp32"), "flow": ("int8", "fp32"), "hift": ("int8", "fp32")},
+    "gpu-fp16": {"llm": ("fp16", "fp32"), "flow": ("fp16", "fp32"), "hift": ("fp16", "fp32")},
+    "trt-int8": {"llm": ("int8", "fp16", "fp32"), "flow": ("int8", "fp16", "fp32"), "hift": ("int8", "fp16", "fp32")},
+}
+# Graphs that stay fp32 although their stage is quantized (cost too small or precision-critical).
+KEEP_FP32: dict[str, dict[str, frozenset[str]]] = {
+    "cpu": {"int8": frozenset({"flow_encoder", "hift_source"})},
+    "gpu-fp16": {"fp16": frozenset({"hift_source"})},
+    "trt-int8": {"int8": frozenset({"hift_source"}), "fp16": frozenset({"hift_source"})},
+}
+# A stage of the cpu target that may silently stay fp32 when int8 misses the gate (HiFT: int8 only if it is fine).
+OPTIONAL_INT8 = {"cpu": frozenset({"hift"})}
+# For trt-int8 the flow encoder is fp16 (it runs once per request; its int8 gain is small).
+INT8_AS_FP16 = {"trt-int8": frozenset({"flow_encoder"})}
+
+
+def stage_variants(target: str, stage: str, precision: str) -> list[Variant]:
+    """The graphs of `stage` for `target` at stage precision `precision`."""
+    out = []
+    for graph in STAGE_GRAPHS[stage]:
+        p = precision
+        if graph in KEEP_FP32.get(target, {}).get(precision, frozenset()):
+            p = "fp32"
+        elif p == "int8" and graph in INT8_AS_FP16.get(target, frozenset()):
+            p = "fp16"
+        out.append(variant(target, graph, p))
+    return out

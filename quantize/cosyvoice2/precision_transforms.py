@@ -1,0 +1,255 @@
+"""ONNX-to-ONNX precision transforms of the exported fp32 graphs: int8 weights, static int8 QDQ, fp16.
+
+Policy-free on purpose: which nodes stay out of int8 (`exclude` patterns) or in fp32 (`keep_fp32`) is decided per
+graph and target by the caller (precision_targets.py), so one transform serves every graph. What holds for every
+graph is fixed here: only MatMul (constant weight), Conv, Gemm and ConvTranspose are ever quantized, so norms,
+residual adds, softmax and every elementwise op stay in floating point, and `FP32_OPS` compute in fp32 inside
+every fp16 graph. Each transform writes one self-contained file, because a bundle hashes graph files.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+NBITS_BLOCK = 32                  # K values per scale of the 8-bit MatMulNBits weights
+NBITS_ACCURACY_LEVEL = 4          # int8 activations inside MatMulNBits (VNNI / SDOT kernels)
+FP16_MAX = float(np.finfo(np.float16).max)
+# Op types that always compute in fp32 inside an fp16 graph (overflow / precision-critical).
+FP32_OPS = frozenset({"LayerNormalization", "Softmax", "Exp", "Log", "Pow", "ReduceMean", "Sqrt", "Reciprocal",
+                      "CumSum", "Range", "Sin", "Cos", "Erf", "ReduceL2", "Softplus",
+                      "QuantizeLinear", "DequantizeLinear"})
+QUANTIZED_OPS = ("MatMul", "Conv", "Gemm", "ConvTranspose")
+
+
+def name_matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether any of the regular expressions `patterns` is found in the node name `name`."""
+    return any(re.search(p, name) for p in patterns)
+
+
+def _save(model: onnx.ModelProto, dst: Path) -> Path:
+    """One self-contained file (a bundle hashes graph files, not external-data side files; every derived graph is
+    smaller than its fp32 export, which already fits)."""
+    dst = Path(dst)
+    onnx.save(model, str(dst))
+    return dst
+
+
+@contextmanager
+def _quiet_root_logger():
+    """ORT's quantizer warns on the root logger about optional pre-processing for every graph."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+# ------------------------------------------------------------------------------------------- int8 weights (cpu LLM)
+
+def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in graph.initializer}
+
+
+def int8_weights_nbits(src: Path, dst: Path, exclude: Sequence[str] = (), block: int = NBITS_BLOCK) -> Path:
+    """Every MatMul with a constant 2-D weight -> com.microsoft MatMulNBits with 8-bit symmetric block weights.
+
+    Per output column n and block of `block` K values: scale = max|w| / 127, q = round(w / scale) + 128 (uint8,
+    zero point 128). Activations stay float (quantized per block inside the kernel at accuracy level 4).
+    """
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = _initializers(graph)
+    users: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            users[name] = users.get(name, 0) + 1
+    nodes, dropped = [], set()
+    for node in graph.node:
+        weight = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if weight is None or len(weight.dims) != 2 or name_matches(node.name, exclude):
+            nodes.append(node)
+            continue
+        w = numpy_helper.to_array(weight).astype(np.float32)                 # [K, N]
+        k, n = w.shape
+        blocks = -(-k // block)
+        padded = np.zeros((blocks * block, n), np.float32)
+        padded[:k] = w
+        columns = padded.T.reshape(n, blocks, block)                         # [N, blocks, block]
+        scale = np.maximum(np.abs(columns).max(axis=2), 1e-12) / 127.0      # [N, blocks]
+        q = (np.clip(np.rint(columns / scale[:, :, None]), -127, 127) + 128).astype(np.uint8)
+        prefix = f"{weight.name}_nbits8"
+        graph.initializer.extend([numpy_helper.from_array(q, f"{prefix}_q"),
+                                  numpy_helper.from_array(scale.astype(np.float32).reshape(-1), f"{prefix}_scale")])
+        nodes.append(helper.make_node("MatMulNBits", [node.input[0], f"{prefix}_q", f"{prefix}_scale"],
+                                      list(node.output), name=f"{node.name}_nbits8", domain="com.microsoft",
+                                      K=k, N=n, bits=8, block_size=block, accuracy_level=NBITS_ACCURACY_LEVEL))
+        users[weight.name] -= 1
+        if users[weight.name] == 0:
+            dropped.add(weight.name)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept = [t for t in graph.initializer if t.name not in dropped]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return _save(model, dst)
+
+
+def int8_weights_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> Path:
+    """ORT dynamic quantization: int8 per-channel MatMul weights, activations quantized per call (MatMulInteger)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    model = onnx.load(str(src), load_external_data=False)
+    names = [n.name for n in model.graph.node if name_matches(n.name, exclude)]
+    with _quiet_root_logger():
+        quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=False,
+                         weight_type=QuantType.QInt8, nodes_to_exclude=names,
+                         extra_options={"MatMulConstBOnly": True, "WeightSymmetric": True})
+    return Path(dst)
+
+
+# -------------------------------------------------------------------------------------------- static int8 QDQ
+
+class _Feeds:
+    """ORT CalibrationDataReader over recorded input dicts."""
+
+    def __init__(self, feeds: Sequence[dict[str, np.ndarray]]) -> None:
+        self._it = iter(list(feeds))
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._it, None)
+
+
+def static_int8_qdq(src: Path, dst: Path, calibration: Sequence[dict[str, np.ndarray]],
+                    exclude: Sequence[str] = ()) -> Path:
+    """Explicit QDQ int8 (TensorRT rules): symmetric per-channel weights, symmetric per-tensor activations from a
+    min/max calibration over `calibration` (input dicts recorded from fp32 runs); biases stay float."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+    if not calibration:
+        raise ValueError("static int8 quantization needs calibration inputs")
+    model = onnx.load(str(src), load_external_data=False)
+    names = [n.name for n in model.graph.node if name_matches(n.name, exclude)]
+    with _quiet_root_logger():
+        quantize_static(str(src), str(dst), _Feeds(calibration), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=list(QUANTIZED_OPS), per_channel=True, reduce_range=False,
+                        activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, nodes_to_exclude=names,
+                        calibrate_method=CalibrationMethod.MinMax,
+                        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
+                                       "MatMulConstBOnly": True, "QuantizeBias": False})
+    return Path(dst)
+
+
+# ------------------------------------------------------------------------------------------------------- fp16
+
+_TYPE_AGNOSTIC = frozenset({"Cast", "Shape", "Size"})        # inputs of any type: never cast in front of them
+_FP32_SOURCES = frozenset({"Cast", "ConstantOfShape", "RandomNormal", "RandomNormalLike", "RandomUniform",
+                           "RandomUniformLike", "EyeLike"})  # float outputs decided by an attribute: keep fp32
+
+
+def _float_tensors(model: onnx.ModelProto) -> set[str]:
+    """Names of every float32 tensor (inputs, initializers, node outputs) after ONNX type inference.
+
+    Inference runs on a weightless copy (initializers turned into typed inputs): a full-size graph is not copied.
+    """
+    light = helper.make_model(
+        helper.make_graph(model.graph.node, "types", [*model.graph.input, *(
+            helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in model.graph.initializer)],
+            model.graph.output), opset_imports=model.opset_import)
+    light.ir_version = model.ir_version
+    graph = onnx.shape_inference.infer_shapes(light).graph
+    floats = {v.name for v in (*graph.input, *graph.output, *graph.value_info)
+              if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    floats |= {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value" \
+                and node.attribute[0].t.data_type == TensorProto.FLOAT:
+            floats.add(node.output[0])
+    return floats
+
+
+def to_fp16(src: Path | onnx.ModelProto, dst: Path, keep_fp32: Callable[[onnx.NodeProto], bool]) -> Path:
+    """fp16 compute everywhere except nodes where `keep_fp32(node)` (and `FP32_OPS`); graph I/O stays float32.
+
+    Float initializers and constants read by fp16 nodes get fp16 copies clamped to +-65504 (attention-bias
+    constants such as -1e10 or float32 min would become -inf); Casts are inserted where precisions meet.
+    """
+    model = onnx.load(str(src)) if not isinstance(src, onnx.ModelProto) else src
+    graph = model.graph
+    floats = _float_tensors(model)
+    inits = _initializers(graph)
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+
+    def half(node: onnx.NodeProto) -> bool:
+        if node.op_type in FP32_OPS or node.op_type in _FP32_SOURCES or node.op_type in _TYPE_AGNOSTIC:
+            return False
+        if node.op_type == "Constant":
+            return node.output[0] in floats and bool(consumers.get(node.output[0])) \
+                and all(half(c) for c in consumers[node.output[0]])
+        return not keep_fp32(node) and any(n in floats for n in (*node.input, *node.output))
+
+    nodes = list(graph.node)  # one wrapper per node: ids stay valid
+    fp16_nodes = {id(n) for n in nodes if half(n)}
+    precision: dict[str, int] = {name: TensorProto.FLOAT for name in floats}
+    casts: dict[tuple[str, int], str] = {}
+    half_inits: dict[str, str] = {}
+    new_nodes: list[onnx.NodeProto] = []
+
+    def cast(name: str, to: int) -> str:
+        key = (name, to)
+        if key not in casts:
+            out = f"{name}__to_{'fp16' if to == TensorProto.FLOAT16 else 'fp32'}"
+            new_nodes.append(helper.make_node("Cast", [name], [out], name=f"{out}__cast", to=to))
+            casts[key] = out
+        return casts[key]
+
+    for node in nodes:
+        want = TensorProto.FLOAT16 if id(node) in fp16_nodes else TensorProto.FLOAT
+        if node.op_type == "Constant" and want == TensorProto.FLOAT16:
+            value = numpy_helper.to_array(node.attribute[0].t)
+            node.attribute[0].t.CopyFrom(numpy_helper.from_array(
+                np.clip(value, -FP16_MAX, FP16_MAX).astype(np.float16), node.attribute[0].t.name))
+        elif node.op_type not in _TYPE_AGNOSTIC:
+            for i, name in enumerate(node.input):
+                if name not in floats or precision.get(name) == want:
+                    continue
+                if want == TensorProto.FLOAT16 and name in inits:
+                    if name not in half_inits:
+                        value = np.clip(numpy_helper.to_array(inits[name]), -FP16_MAX, FP16_MAX).astype(np.float16)
+                        graph.initializer.append(numpy_helper.from_array(value, f"{name}__fp16"))
+                        half_inits[name] = f"{name}__fp16"
+                    node.input[i] = half_inits[name]
+                else:
+                    node.input[i] = cast(name, want)
+        if want == TensorProto.FLOAT16:
+            for name in node.output:
+                if name in floats:
+                    precision[name] = TensorProto.FLOAT16
+        new_nodes.append(node)
+    for output in graph.output:
+        if precision.get(output.name) == TensorProto.FLOAT16:
+            inner = f"{output.name}__fp16"
+            for node in new_nodes:
+                node.output[:] = [inner if o == output.name else o for o in node.output]
+                node.input[:] = [inner if i == output.name else i for i in node.input]
+            new_nodes.append(helper.make_node("Cast", [inner], [output.name], name=f"{output.name}__cast",
+                                              to=TensorProto.FLOAT))
+    used = {i for n in new_nodes for i in n.input}
+    kept = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.value_info[:]
+    return _save(model, dst)
