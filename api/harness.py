@@ -67,6 +67,8 @@ class ServiceProcess:
     ready_timeout_s: float = READY_TIMEOUT_S
     port: int = 0
     proc: subprocess.Popen | None = None
+    launched_at: float = 0.0
+    ready_after_s: float | None = None
     _tmp: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -92,7 +94,8 @@ class ServiceProcess:
     def memory(self) -> dict[str, int]:
         return memory_kib(self.pid)
 
-    def start(self) -> "ServiceProcess":
+    def launch(self) -> "ServiceProcess":
+        """Start the child and return at once (`wait_ready` waits; a test of a refused start waits for the exit)."""
         self._tmp = tempfile.TemporaryDirectory(prefix="cosyedge-serve-")
         state = Path(self._tmp.name) / "state"
         state.mkdir()
@@ -102,19 +105,39 @@ class ServiceProcess:
         command = [sys.executable, "-m", "cosyedge.device.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         if self.bundle:
             command += ["--bundle", str(self.bundle)]
+        self.launched_at = time.monotonic()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.ready_timeout_s
+        return self
+
+    def wait_ready(self) -> float:
+        """Seconds from launch to the first 200 on /readyz; RuntimeError (with the log) if it exits or times out."""
+        assert self.proc is not None, "service not launched"
+        deadline = self.launched_at + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"cosyedge serve exited with {self.proc.returncode} before ready:\n{self.log_tail()}")
             if http_status(self.url, "/readyz", timeout=2) == 200:
-                return self
-            time.sleep(0.2)
+                self.ready_after_s = time.monotonic() - self.launched_at
+                return self.ready_after_s
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"cosyedge serve not ready within {self.ready_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def start(self) -> "ServiceProcess":
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def kill(self) -> int | None:
+        """SIGKILL, as the OOM killer or a power cut would: no drain, no clean-up; returns the exit status (-9)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        return self.proc.wait()
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (the service drains), then SIGKILL after `timeout`; returns the exit status."""

@@ -1,27 +1,39 @@
 """Nothing accepted is lost: every accepted synthesis is journalled until it is answered, and what failed (or
 was cut off by a crash) lands in the dead-letter file.
 
-`inflight.jsonl` gets one `accepted` line when a request is taken and one `finished` line when it is answered
-(or dead-lettered). Lines are appended and flushed to the kernel before the work starts, so a SIGKILL cannot lose
-them; at the next start `recover()` moves every accepted-but-unfinished request to the dead-letter file with the
-reason, then starts a fresh journal. Both files are JSON Lines; a torn last line (a kill mid-write) is skipped.
+`inflight.jsonl` gets one `accepted` line when a request (or one item of a batch) is taken and one `finished`
+line when it is answered (or dead-lettered). Lines are appended and flushed to the kernel before the work
+starts, so a SIGKILL cannot lose them; at the next start `recover()` moves every accepted-but-unfinished entry
+to the dead-letter file with the reason, then starts a fresh journal. Both files are JSON Lines; a torn last
+line (a kill mid-write) is skipped. The journal holds the request parameters only (text, voice, speed,
+format), never audio, and only while the request is open: it is rewritten with just the open entries once it
+grows past 1 MiB.
+
+Several services may share one state directory (the templated units share `StateDirectory=`): each process
+holds an exclusive POSIX lock (`lockf`) on `.<journal>.lock` while it runs, takes `inflight.jsonl` if it is free and an
+`inflight-<pid>-<n>.jsonl` of its own otherwise, and recovers only journals whose lock it can take (their
+owner is dead). Delivery is at least once: an answer cut off between its last byte and the `finished` line is
+dead-lettered too.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
 DEAD_LETTER = "api_dead_letter.jsonl"
 INFLIGHT = "inflight.jsonl"
 CRASHED = "the service stopped before this request was answered (killed or crashed); not synthesised"
-_COMPACT_BYTES = 1 << 20  # an idle journal larger than this is started afresh
+_COMPACT_BYTES = 1 << 20  # a journal larger than this is rewritten with only its open entries
+_MODE = 0o640  # request text is in these files: owner and group (the unit's StateDirectoryMode) only
 
 
 def _now() -> str:
@@ -45,65 +57,156 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _append(path: Path, lines: list[dict[str, Any]], sync: bool = False) -> int:
+    data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in lines).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _MODE)
+    try:
+        os.write(fd, data)  # one write: the kernel has it when this returns, a SIGKILL cannot lose it
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data)
+
+
+def _lock_path(journal: Path) -> Path:
+    return journal.with_name(f".{journal.name}.lock")
+
+
+def _temp_path(journal: Path) -> Path:
+    return journal.with_name(f".{journal.name}.new")
+
+
+def _try_lock(journal: Path) -> IO[bytes] | None:
+    """The journal's lock file, locked; None when a live process holds it."""
+    handle = open(os.open(_lock_path(journal), os.O_RDWR | os.O_CREAT, _MODE), "r+b")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # POSIX lock: per process, gone when it dies
+    except OSError as exc:
+        handle.close()
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return None
+        raise
+    return handle
+
+
 class Journal:
     """The in-flight journal and the dead-letter file of one service state directory. Thread-safe."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.dead_letter_path = state_dir / DEAD_LETTER
-        self.inflight_path = state_dir / INFLIGHT
+    def __init__(self, state_dir: Path, name: str = INFLIGHT) -> None:
+        self.state_dir = Path(state_dir)
+        self.dead_letter_path = self.state_dir / DEAD_LETTER
+        self.inflight_path = self.state_dir / name
+        self._stem = name.split(".")[0].split("-")[0]  # inflight.jsonl and inflight-<pid>-<n>.jsonl
         self._lock = threading.Lock()
-        self._open: set[str] = set()
+        self._open: dict[str, dict[str, Any]] = {}  # key -> its `accepted` record
+        self._owner: IO[bytes] | None = None
+        self._bytes = 0
 
-    def _append(self, path: Path, record: dict[str, Any]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as out:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            out.flush()
+    # -- ownership ---------------------------------------------------------------------------
+    def _claim(self) -> None:
+        """Hold the lock of our journal: the usual name if free, else one named after this process."""
+        if self._owner is not None:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        candidate, n = self.inflight_path, 0
+        while (handle := _try_lock(candidate)) is None:
+            n += 1
+            candidate = self.state_dir / f"{self._stem}-{os.getpid()}-{n}.jsonl"
+        self._owner, self.inflight_path = handle, candidate
 
-    def recover(self) -> int:
-        """At start-up: dead-letter what a previous process accepted and never answered; returns how many."""
+    def close(self) -> None:
+        """Release the journal's lock (the process exiting does the same)."""
         with self._lock:
-            records = read_jsonl(self.inflight_path)
-            finished = {r.get("request_id") for r in records if r.get("event") == "finished"}
-            lost = [r for r in records if r.get("event") == "accepted" and r.get("request_id") not in finished]
-            for record in lost:
-                self._append(self.dead_letter_path, {"time": _now(), "route": record.get("route"),
-                                                     "request_id": record.get("request_id"),
-                                                     "request": record.get("request"), "error": CRASHED,
-                                                     "accepted": record.get("time")})
-            if self.inflight_path.exists():
-                os.replace(self._fresh_journal(), self.inflight_path)
+            if self._owner is not None:
+                self._owner.close()
+                self._owner = None
+
+    # -- start-up ----------------------------------------------------------------------------
+    def recover(self) -> int:
+        """At start-up: dead-letter what a dead process accepted and never answered; returns how many."""
+        with self._lock:
+            self._claim()
+            lost = 0
+            for journal in sorted(self.state_dir.glob(f"{self._stem}*.jsonl")):
+                if journal == self.inflight_path:
+                    lost += self._move_open(journal)
+                    self._rewrite(list(self._open.values()))
+                    continue
+                handle = _try_lock(journal)
+                if handle is None:
+                    continue  # a live service's journal
+                try:
+                    lost += self._move_open(journal)
+                    for leftover in (_temp_path(journal), journal, _lock_path(journal)):
+                        leftover.unlink(missing_ok=True)
+                finally:
+                    handle.close()
+            _temp_path(self.inflight_path).unlink(missing_ok=True)
         if lost:
-            log.warning("%d request(s) accepted by the previous run were never answered; moved to %s",
-                        len(lost), DEAD_LETTER)
+            log.warning("%d request(s) accepted by a previous run were never answered; moved to %s",
+                        lost, DEAD_LETTER)
+        return lost
+
+    def _move_open(self, journal: Path) -> int:
+        records = read_jsonl(journal)
+        finished = {r.get("key", r.get("request_id")) for r in records if r.get("event") == "finished"}
+        lost = [r for r in records if r.get("event") == "accepted" and r.get("key", r.get("request_id")) not in finished]
+        if lost:
+            _append(self.dead_letter_path, [{"time": _now(), "route": r.get("route"), "request_id": r.get("request_id"),
+                                             "request": r.get("request"), "error": CRASHED, "accepted": r.get("time")}
+                                            for r in lost], sync=True)
         return len(lost)
 
-    def _fresh_journal(self) -> Path:
-        fresh = self.inflight_path.with_name(f".{INFLIGHT}.{os.getpid()}.new")
-        fresh.write_text("", encoding="utf-8")
-        return fresh
+    def _rewrite(self, records: list[dict[str, Any]]) -> None:
+        """Replace the journal atomically with `records` (a kill leaves the old or the new one, never half)."""
+        temp = _temp_path(self.inflight_path)
+        temp.unlink(missing_ok=True)
+        if records:
+            self._bytes = _append(temp, records)
+        else:
+            temp.touch(_MODE)
+            self._bytes = 0
+        os.replace(temp, self.inflight_path)
 
-    def accepted(self, request_id: str, route: str, payload: dict[str, Any]) -> None:
+    # -- requests ----------------------------------------------------------------------------
+    def accepted(self, request_id: str, route: str, payload: dict[str, Any], key: str | None = None) -> str:
+        """Journal an accepted request (or batch item, `key`) before it is queued; returns its key."""
+        key = key or request_id
+        record = {"event": "accepted", "time": _now(), "request_id": request_id, "route": route, "request": payload}
+        if key != request_id:
+            record["key"] = key
         with self._lock:
-            self._append(self.inflight_path, {"event": "accepted", "time": _now(), "request_id": request_id,
-                                              "route": route, "request": payload})
-            self._open.add(request_id)
+            self._claim()
+            self._bytes += _append(self.inflight_path, [record])
+            self._open[key] = record
+        return key
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, key: str) -> None:
+        """The request was answered (or refused before it was queued): close its entry."""
         with self._lock:
-            if request_id not in self._open:
+            if self._open.pop(key, None) is None:
                 return
-            self._open.discard(request_id)
-            self._append(self.inflight_path, {"event": "finished", "request_id": request_id})
-            if not self._open and self.inflight_path.stat().st_size > _COMPACT_BYTES:
-                os.replace(self._fresh_journal(), self.inflight_path)  # nothing open: the history is not needed
+            self._bytes += _append(self.inflight_path, [{"event": "finished", "key": key}])
+            if self._bytes > _COMPACT_BYTES:
+                self._rewrite(list(self._open.values()))
 
-    def dead_letter(self, route: str, request_id: str, payload: dict[str, Any], detail: str) -> None:
+    def dead_letter(self, route: str, request_id: str, payload: dict[str, Any], detail: str,
+                    key: str | None = None) -> None:
         """Record a failed accepted request (the detail goes here only, never to the client) and close it."""
         try:
             with self._lock:
-                self._append(self.dead_letter_path, {"time": _now(), "route": route, "request_id": request_id,
-                                                     "request": payload, "error": detail})
+                _append(self.dead_letter_path, [{"time": _now(), "route": route, "request_id": request_id,
+                                                 "request": payload, "error": detail}], sync=True)
         except OSError as exc:
             log.error("cannot write the dead-letter record: %s", exc.strerror or type(exc).__name__)
-        self.finished(request_id)
+            return  # left open in the journal: the next start dead-letters it
+        self.finished(key or request_id)
+
+    def is_open(self, key: str) -> bool:
+        with self._lock:
+            return key in self._open
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open)

@@ -42,11 +42,15 @@ def make_server(app: Any, host: str, port: int, threads: int):
 
 
 def load_engine(config: ServiceConfig) -> "Engine":
-    """The engine the configuration names: bundle, precision or build target, batch limits, state directory."""
+    """The engine the configuration names: bundle, precision or build target, batch limits, state directory.
+
+    Start-up checks: the bundle's files are hashed against its manifest, and every registered voice must load
+    (`strict_voices`): a service never becomes ready with a corrupted bundle or a voice silently missing.
+    """
     from cosyedge.device import BatchLimits, Engine
     limits = BatchLimits(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
     return Engine.load(config.bundle, precision=config.precision, target=config.target, limits=limits,
-                       state_dir=config.state_dir)
+                       state_dir=config.state_dir, strict_voices=True)
 
 
 def serve(config: ServiceConfig) -> int:

@@ -1,22 +1,21 @@
-"""The service behind the routes: lifecycle (start, readiness, drain, stop), metrics and the dead-letter file.
+"""The service behind the routes: lifecycle (start, readiness, drain, stop), metrics and the journal.
 
 One `Service` per app, kept in `app.extensions["cosyedge"]`; routes reach it through `current_service()`.
 """
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from flask import current_app
 
-from cosyedge.api.batcher import SynthesisError, SynthesisQueue
+from cosyedge.api.batcher import SynthesisQueue
 from cosyedge.api.config import OPENAI_VOICES, ConfigError, ServiceConfig
 from cosyedge.api.errors import NotReady
+from cosyedge.api.journal import Journal
 from cosyedge.api.metrics import Metrics
 from cosyedge.api.ratelimit import RateLimiter
 from cosyedge.device.audio import encode, to_audio_segment
@@ -25,7 +24,6 @@ from cosyedge.device.paths import state_dir
 
 log = logging.getLogger(__name__)
 
-DEAD_LETTER = "api_dead_letter.jsonl"
 ENGINE_GAUGES = {"cosyedge_decode_steps": "decode_steps", "cosyedge_decode_rows_mean": "decode_rows_mean",
                  "cosyedge_decode_active_rows": "decode_active_rows"}  # gauge -> key of Engine.stats()
 
@@ -41,7 +39,7 @@ class Service:
         self.aliases: dict[str, str] = {}
         self.ready = threading.Event()
         self.limiter = RateLimiter(config.rate_limit_per_s, config.rate_limit_burst) if config.rate_limit_per_s else None
-        self._dead_lock = threading.Lock()
+        self.journal = Journal(Path(config.state_dir) if config.state_dir else state_dir())
         self._inflight = 0
         self._idle = threading.Condition()
         self.metrics.gauge("cosyedge_ready", lambda: 1.0 if self.ready.is_set() else 0.0)
@@ -51,7 +49,11 @@ class Service:
 
     def start(self, engine: Engine, heartbeat: Callable[[], None] | None = None,
               heartbeat_interval: float | None = None) -> float:
-        """Attach the loaded engine, start the worker, push one request through it; returns warm-up seconds."""
+        """Recover the journal, attach the loaded engine, start the worker, push one request through it.
+
+        Returns the warm-up seconds. Requests a previous run accepted and never answered are dead-lettered first.
+        """
+        self.journal.recover()
         voices = engine.voices()
         aliases = {name: voices[0] for name in OPENAI_VOICES}
         for alias, target in self.config.voice_aliases.items():
@@ -90,26 +92,12 @@ class Service:
         self.ready.clear()
         if self.batcher is not None:
             self.batcher.stop()
+        self.journal.close()
 
     def require_ready(self) -> tuple[Engine, SynthesisQueue]:
         if not self.ready.is_set() or self.engine is None or self.batcher is None:
             raise NotReady()
         return self.engine, self.batcher
-
-    def dead_letter(self, route: str, request_id: str, payload: dict[str, Any], error: SynthesisError) -> None:
-        """One JSONL record per failed synthesis, in the state directory, for later inspection or replay."""
-        path = self.dead_letter_path()
-        record = {"time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), "route": route,
-                  "request_id": request_id, "request": payload, "error": error.detail}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with self._dead_lock, path.open("a", encoding="utf-8") as out:
-                out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        except OSError as exc:
-            log.error("cannot write the dead-letter record: %s", exc)
-
-    def dead_letter_path(self) -> Path:
-        return (Path(self.config.state_dir) if self.config.state_dir else state_dir()) / DEAD_LETTER
 
 
 def current_service() -> Service:

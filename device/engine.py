@@ -17,7 +17,7 @@ from pydub import AudioSegment
 from cosyedge.device import families
 from cosyedge.device.audio import to_audio_segment
 from cosyedge.device.bundle import PRECISIONS, TARGETS, Bundle
-from cosyedge.device.errors import (CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError, UnknownVoiceError,
+from cosyedge.device.errors import (BundleError, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError, UnknownVoiceError,
                                     VoiceExistsError)
 from cosyedge.device.options import SEED_MAX, SPEED_RANGE, BatchLimits, Segment, SynthesisOptions
 from cosyedge.device.paths import state_dir as default_state_dir
@@ -109,10 +109,12 @@ class Engine:
     @classmethod
     def load(cls, bundle_path: Path | str | None = None, precision: str = "auto", target: str | None = None,
              sessions: SessionConfig | None = None, limits: BatchLimits | None = None, warmup: bool = True,
-             state_dir: Path | str | None = None) -> "Engine":
+             state_dir: Path | str | None = None, strict_voices: bool = False) -> "Engine":
         """Validate the bundle, create the ORT sessions once, and warm them up.
 
         With no `bundle_path`, the embedded default voice is used (built offline on first use).
+        A registered voice file that cannot be loaded is skipped with a warning (the CLI: other voices still
+        work), or with `strict_voices` (the service: it must not come up with a voice missing) a BundleError.
         """
         check_selection(precision, target)  # before a first-use build of the default voice
         sessions = sessions or SessionConfig.from_env()
@@ -122,7 +124,7 @@ class Engine:
         bundle = Bundle.load(bundle_path, precision=chosen)
         engine = cls(bundle, families.load_pipeline(bundle, chosen, sessions), chosen, limits,
                      Path(state_dir) if state_dir else None)
-        engine._load_registered_voices()
+        engine._load_registered_voices(strict_voices)
         if warmup:
             engine.warmup()
         return engine
@@ -206,14 +208,21 @@ class Engine:
     def _voice_store(self) -> VoiceStore:
         return VoiceStore.for_bundle(self.bundle, self.state_dir or default_state_dir())
 
-    def _load_registered_voices(self) -> None:
+    def _load_registered_voices(self, strict: bool = False) -> None:
         if not self.pipeline.supports_voice_registration:
             return
-        for name, path in self._voice_store().files():
+        store = self._voice_store()
+        for partial in store.remove_stale_partials():  # a registration killed mid-save never became a voice
+            log.info("removed %s (an interrupted voice registration)", partial.name)
+        for name, path in store.files():
             try:
                 self.pipeline.load_voice(name, path)
-            except CosyedgeError as exc:  # one broken file must not stop the service
-                log.warning("registered voice %s skipped: %s", name, exc)
+            except CosyedgeError as exc:
+                where = f"voices/{store.root.name}/{path.name} in the state directory"
+                if strict:  # never the path itself: logs and errors carry no absolute paths
+                    raise BundleError(f"registered voice {name!r} ({where}) cannot be loaded: {exc}; restore the "
+                                      "file from a backup, or delete it to drop the voice") from None
+                log.warning("registered voice %s skipped (%s): %s", name, where, exc)
 
     def add_voice(self, name: str, audio: bytes, prompt_text: str, replace: bool = False) -> str:
         """Register a zero-shot voice from a 1-30 s recording (any common format) and its transcript.

@@ -69,6 +69,16 @@ def read_prompt_audio(data: bytes) -> tuple[np.ndarray, int]:
     return wav, int(rate)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class VoiceStore:
     """`<state dir>/voices/<family>-<bundle name>/<voice>.npz`."""
 
@@ -96,8 +106,20 @@ class VoiceStore:
         partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
         with partial.open("wb") as handle:
             write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())  # the rename below must never expose a file the disk has not got
         partial.replace(target)
         return target
+
+    def remove_stale_partials(self) -> list[Path]:
+        """Delete `.<voice>.npz.<pid>.partial` files whose writer is dead (a registration killed mid-save)."""
+        removed = []
+        for partial in self.root.glob(".*.npz.*.partial") if self.root.is_dir() else ():
+            pid = partial.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+                partial.unlink(missing_ok=True)
+                removed.append(partial)
+        return removed
 
     def remove(self, name: str) -> None:
         path = self.path(name)

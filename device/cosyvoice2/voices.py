@@ -15,6 +15,8 @@ The LLM does not use a speaker embedding in v2. Voices made at run time from a p
 """
 from __future__ import annotations
 
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -61,8 +63,9 @@ class Voice:
                                llm_prompt_speech=tuple(int(i) for i in z["llm_prompt_speech_token"].reshape(-1)),
                                flow_prompt_speech=z["flow_prompt_speech_token"].astype(np.int64).reshape(-1),
                                prompt_mel=z["prompt_speech_feat"].astype(np.float32))
-        except (KeyError, ValueError, OSError) as exc:
-            raise BundleError(f"voice {name!r}: malformed voice file ({type(exc).__name__}: {exc})") from None
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # torn or flipped
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc  # no paths in messages
+            raise BundleError(f"voice {name!r}: malformed voice file ({type(exc).__name__}: {reason})") from None
         raise BundleError(f"voice {name!r}: unknown kind {kind!r} (expected sft or zero_shot)")
 
     def save(self, target: Path | BinaryIO) -> None:

@@ -39,3 +39,55 @@ def test_a_torn_last_line_is_skipped(tmp_path):
         out.write('{"event": "accepted", "request_id": "b", "rou')  # killed mid-write
     assert Journal(tmp_path).recover() == 1
     assert [d["request_id"] for d in read_jsonl(tmp_path / "api_dead_letter.jsonl")] == ["a"]
+
+
+_HOLD = (
+    "import sys, time\n"
+    "from pathlib import Path\n"
+    "from cosyedge.api.journal import Journal\n"
+    "j = Journal(Path(sys.argv[1]))\n"
+    "j.accepted('live', '/v1/tts', {'text': 'still being made'})\n"
+    "print(j.inflight_path.name, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_live_service_sharing_the_state_directory_keeps_its_journal(tmp_path):
+    """Two services on one state directory (templated units): a start-up never dead-letters a live one's work."""
+    live = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout.readline().strip() == "inflight.jsonl"
+        second = Journal(tmp_path)
+        assert second.recover() == 0
+        assert second.inflight_path.name != "inflight.jsonl"  # a journal of its own while the other one lives
+        second.accepted("mine", "/v1/tts", {"text": "x"})
+        assert not (tmp_path / "api_dead_letter.jsonl").exists()
+        live.send_signal(signal.SIGKILL)
+        assert live.wait(30) == -signal.SIGKILL
+        second.close()
+        third = Journal(tmp_path)  # the next start: both owners are gone
+        assert third.recover() == 2
+        assert sorted(d["request_id"] for d in read_jsonl(tmp_path / "api_dead_letter.jsonl")) == ["live", "mine"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".inflight.jsonl.lock", "api_dead_letter.jsonl",
+                                                               "inflight.jsonl"]  # the other journal is gone
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_batch_items_are_entries_of_their_own_and_compaction_keeps_open_ones(tmp_path, monkeypatch):
+    import cosyedge.api.journal as journal_module
+    monkeypatch.setattr(journal_module, "_COMPACT_BYTES", 2000)
+    journal = Journal(tmp_path)
+    keys = [journal.accepted("req", "/v1/tts/batch", {"index": i, "text": f"item {i}"}, f"req/{i}") for i in range(3)]
+    journal.dead_letter("/v1/tts/batch", "req", {"index": 1, "text": "item 1"}, "RuntimeError: boom", keys[1])
+    journal.finished(keys[0])
+    for n in range(40):  # traffic while req/2 stays open: the file is rewritten, never grows without bound
+        journal.finished(journal.accepted(f"x{n}", "/v1/tts", {"text": "t" * 50}))
+    assert (tmp_path / "inflight.jsonl").stat().st_size < 2600
+    assert journal.open_count() == 1
+    journal.close()
+    assert Journal(tmp_path).recover() == 1
+    dead = read_jsonl(tmp_path / "api_dead_letter.jsonl")
+    assert [(d["request_id"], d["request"]["index"]) for d in dead] == [("req", 1), ("req", 2)]
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".new")]
