@@ -5,6 +5,7 @@ state directory, so a fresh box speaks without any download.
 """
 from __future__ import annotations
 
+import fcntl
 import threading
 from pathlib import Path
 
@@ -25,11 +26,18 @@ def build_default_bundle(out: Path, similarity: SpeakerMeasure | None = None) ->
 
 
 def default_bundle() -> Path:
-    """Path of the default voice's bundle, building it first if it does not exist yet."""
+    """Path of the default voice's bundle, building it first if it does not exist yet.
+
+    Two services starting on a fresh box must not both build it (the second would swap out the files the first
+    is loading): a file lock beside the bundle makes every other process wait, then find the finished bundle.
+    """
     path = bundles_dir() / DEFAULT_NAME
     if (path / MANIFEST).is_file():
         return path
-    with _build_lock:
-        if not (path / MANIFEST).is_file():
-            build_default_bundle(path)
+    with _build_lock:  # threads of this process (flock is per open file, not per thread)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with (path.parent / f".{DEFAULT_NAME}.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (path / MANIFEST).is_file():
+                build_default_bundle(path)
     return path
