@@ -176,7 +176,7 @@ class Engine:
     def synthesize_waveform(self, text: str, **options) -> np.ndarray:
         """The whole text as one float32 waveform at the bundle's sample rate."""
         validated = self.options(**options)
-        return np.concatenate(self.pipeline.synthesize(self.segments(text), validated))
+        return self._many([(self.segments(text), validated)], self.limits.batch_max)[0]
 
     def synthesize(self, text: str, voice: str | int | None = None, speed: float = 1.0, **options) -> AudioSegment:
         """The whole text as one AudioSegment at the bundle's sample rate."""

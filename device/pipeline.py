@@ -28,6 +28,9 @@ class Pipeline(abc.ABC):
 
     sample_rate: int
     supports_voice_registration: bool = False  # True: make_voice / add_voice / load_voice / remove_voice work
+    # Padded batching bound: token ids (rows x longest row) in one model call of the default synthesize_many.
+    # 0 = one segment per call, for a family whose padded batches do not pay on the device.
+    batch_ids_max: int = 4096
 
     # -- required ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -65,7 +68,9 @@ class Pipeline(abc.ABC):
         """Several requests at once, one waveform per segment, in job order (what the API's queue feeds).
 
         Default: segments of equal options run together, sorted by length so padded batches waste little, at most
-        `batch_max` per model call. A family that can mix options in one call (CosyVoice2) overrides this.
+        `batch_max` per model call and at most `batch_ids_max` padded token ids (rows x longest row), so a batch's
+        activations, and the memory the allocator keeps after it, stay bounded whatever the texts' lengths.
+        A family that can mix options in one call (CosyVoice2) overrides this.
         """
         flat = [(job, segment, options) for job, (segments, options) in enumerate(jobs) for segment in segments]
         groups: dict[SynthesisOptions, list[int]] = {}
@@ -74,13 +79,25 @@ class Pipeline(abc.ABC):
         waves: dict[int, np.ndarray] = {}
         for options, indices in groups.items():
             indices.sort(key=lambda i: len(flat[i][1].ids))
-            for start in range(0, len(indices), batch_max):
-                chunk = indices[start:start + batch_max]
-                waves.update(zip(chunk, self.synthesize([flat[i][1] for i in chunk], options)))
+            for chunk in self._padded_batches([len(flat[i][1].ids) for i in indices], batch_max):
+                chosen = [indices[k] for k in chunk]
+                waves.update(zip(chosen, self.synthesize([flat[i][1] for i in chosen], options)))
         per_job: list[list[np.ndarray]] = [[] for _ in jobs]
         for index, (job, _, _) in enumerate(flat):
             per_job[job].append(waves[index])
         return per_job
+
+    def _padded_batches(self, lengths: Sequence[int], batch_max: int) -> list[list[int]]:
+        """Consecutive positions of ascending `lengths`, cut where a batch would pass batch_max rows or
+        batch_ids_max padded ids; a single segment always makes a batch of its own."""
+        batches: list[list[int]] = []
+        for position, length in enumerate(lengths):
+            current = batches[-1] if batches else None
+            if current is None or len(current) >= batch_max or (len(current) + 1) * length > self.batch_ids_max:
+                batches.append([position])
+            else:
+                current.append(position)
+        return batches
 
     def voice_kind(self, name: str) -> str:
         """How a voice was made: builtin (fixed speakers), sft, zero_shot."""

@@ -22,6 +22,11 @@ from cosyedge.device.sessions import SessionConfig
 class VitsPipeline(Pipeline):
     """One Piper voice model; phonemiser and session shared, per-request values passed in."""
 
+    # Padded batches do not pay for VITS on a CPU: 8 paragraph requests (5 sentences each) took 28.6 s and
+    # 1825 MB RSS batched 8 at a time, 21.7 s and 363 MB one sentence per call (2 threads, one run, issue 10).
+    # One call per sentence also makes batched results bit-identical to single ones.
+    batch_ids_max = 0
+
     def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
         from piper.phoneme_ids import phonemes_to_ids
         from piper.phonemize_espeak import EspeakPhonemizer

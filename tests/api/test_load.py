@@ -1,8 +1,8 @@
 """Load on the real service: 16 clients for 15 s, OpenAI and native routes, short and paragraph texts.
 
-Every request is answered (200, or 503 with Retry-After); none times out or is dropped. Speed is
-not asserted (shared CPUs); the figures, the server's RSS before and after included, are printed
-for the memory budget that is checked elsewhere. `make load` runs 64 clients for 60 s.
+Every request is answered (200, or 503 with Retry-After); none times out or is dropped, and the service stays
+within its memory budget (600 MB RSS for the default voice; it reached 1.2-2.1 GB when VITS ran padded
+batches). Speed is not asserted (shared CPUs); the figures are printed. `make load` runs 64 clients for 60 s.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ pytestmark = pytest.mark.slow
 
 CLIENTS = 16
 SECONDS = 15.0
+RSS_BUDGET_MB = 600  # the default voice's documented budget (README)
 
 
 def test_every_request_is_answered_under_load(default_bundle_path, cosyedge_home):
@@ -31,5 +32,5 @@ def test_every_request_is_answered_under_load(default_bundle_path, cosyedge_home
     assert report["empty_audio"] == 0
     assert report["clients_still_running"] == 0
     assert set(report["by_kind"]) == {"speech_short", "speech_paragraph", "tts_short", "tts_paragraph"}
-    assert report["rss_mb_before"] and report["rss_mb_after"] and report["rss_mb_peak"]  # recorded, not judged
+    assert 0 < report["rss_mb_peak"] < RSS_BUDGET_MB, format_report(report)
     assert report["readyz_after"] == 200

@@ -15,11 +15,6 @@ def _rms(samples: np.ndarray) -> float:
     return float(np.sqrt(np.mean(np.square(samples.astype(np.float64)))))
 
 
-def _snr_db(reference: np.ndarray, test: np.ndarray) -> float:
-    reference, test = reference.astype(np.float64), test.astype(np.float64)
-    return float(10 * np.log10(np.sum(reference ** 2) / max(np.sum((reference - test) ** 2), 1e-12)))
-
-
 def test_output_non_silent_at_manifest_rate(default_engine):
     segment = default_engine.synthesize(SHORT, deterministic=True)
     assert segment.frame_rate == default_engine.bundle.manifest.sample_rate == 22050
@@ -55,8 +50,8 @@ def test_stream_chunks_concatenate_to_full_result(default_engine):
     full = default_engine.synthesize_waveform(LONG, deterministic=True)
     streamed = np.concatenate(chunks)
     assert streamed.size == full.size
-    # synthesize() runs both sentences as one padded batch: equal up to float round-off and edge context.
-    assert _snr_db(full, streamed) > 30
+    # VITS renders one sentence per call (padded batches do not pay on a CPU), so the two paths are identical.
+    np.testing.assert_array_equal(full, streamed)
 
 
 def test_batch_results_equal_single_results_in_order(default_engine):
@@ -66,10 +61,7 @@ def test_batch_results_equal_single_results_in_order(default_engine):
     for text, segment in zip(texts, batch):
         single = default_engine.synthesize(text, deterministic=True)
         assert len(segment.raw_data) == len(single.raw_data), text  # same length: trimmed to its own frames
-        a = np.frombuffer(segment.raw_data, np.int16)
-        b = np.frombuffer(single.raw_data, np.int16)
-        # Padding in a batch changes the decoder's edge context by a few samples only.
-        assert _snr_db(b, a) > 30, text
+        assert segment.raw_data == single.raw_data, text  # one sentence per model call: bit-identical
 
 
 def test_emoji_and_unsupported_characters_are_skipped(default_engine):
