@@ -7,7 +7,6 @@ encode; only the batch queue's worker thread runs the engine.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import uuid
@@ -18,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.errors import ApiError
 from cosyedge.api.routes import BLUEPRINTS, SYNTHESIS_ENDPOINTS
+from cosyedge.api.security import Guard
 from cosyedge.api.service import Service
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import CosyedgeError, InputError
@@ -30,19 +30,14 @@ _HTTP_MESSAGES = {404: "no such route; see /openapi.json", 405: "method not allo
                   413: "the request body is too large"}
 
 
-def _client_key() -> str:
-    """Bearer token (hashed) when given, else the peer address: on localhost every peer is 127.0.0.1."""
-    auth = request.headers.get("Authorization")
-    if auth:
-        return "key:" + hashlib.sha256(auth.encode("utf-8", "replace")).hexdigest()[:16]
-    return "addr:" + (request.remote_addr or "?")
-
-
 def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
     app = Flask(__name__, static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = max(1 << 20, config.max_batch_items * config.max_text_len * 4 + (64 << 10))
     service = Service(config)
     app.extensions["cosyedge"] = service
+    guard = Guard(config.api_key, config.max_streams_per_client, config.log_request_text)
+    app.extensions["cosyedge_guard"] = guard
+    app.url_map.merge_slashes = False  # "//etc/x" is a 404, not a redirect to another path
     metrics = service.metrics
 
     @app.before_request
@@ -52,8 +47,10 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         g.request_id = uuid.uuid4().hex[:16]
         if len(request.headers) > MAX_HEADERS:
             raise ApiError(431, "too_many_headers", f"the request has more than {MAX_HEADERS} header lines")
+        # the identity is the valid key's (one client) or the peer address, never a header the client made up
+        g.client = guard.auth.client(request.endpoint, request.headers.get("Authorization"), request.remote_addr)
         if service.limiter is not None and request.endpoint in SYNTHESIS_ENDPOINTS:
-            wait = service.limiter.take(_client_key())
+            wait = service.limiter.take(g.client)
             if wait is not None:
                 metrics.inc("cosyedge_rate_limited_total")
                 raise ApiError(429, "rate_limited", "too many requests from this client; slow down", retry_after=wait)
@@ -62,12 +59,19 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
     def _finish(response: Response) -> Response:
         route = request.url_rule.rule if request.url_rule is not None else "unmatched"
         status, started = str(response.status_code), g.get("started", time.perf_counter())
-        response.headers["X-Request-Id"] = g.get("request_id", "")
+        request_id = g.get("request_id", "")
+        response.headers["X-Request-Id"] = request_id
+        release_stream = g.pop("stream_release", None)
+        text, text_chars = g.get("text"), g.get("text_chars", 0)
 
         def record() -> None:
+            if release_stream is not None:  # the stream ended, or its client left (waitress closed the body)
+                release_stream()
             service.leave()
+            seconds = time.perf_counter() - started
             metrics.inc("cosyedge_requests_total", route=route, status=status)
-            metrics.observe("cosyedge_request_duration_seconds", time.perf_counter() - started, route=route)
+            metrics.observe("cosyedge_request_duration_seconds", seconds, route=route)
+            guard.slow.observe(route, int(status), seconds, request_id, text, text_chars)
         response.call_on_close(record)  # after the last byte, so streams count their whole length
         return response
 

@@ -224,13 +224,16 @@ def batch(body: dict[str, Any], engine: Engine, aliases: Mapping[str, str], max_
     return Batch(texts, items, options, fmt)
 
 
-def voice_upload() -> tuple[str, bytes, str]:
-    """POST /v1/audio/voices: multipart `name`, `text` (the transcript) and file `audio`."""
+def voice_upload(max_text_len: int) -> tuple[str, bytes, str]:
+    """POST /v1/audio/voices: multipart `name`, `text` (the transcript, at most max_text_len characters), file `audio`."""
     request.max_content_length = MAX_VOICE_UPLOAD  # a 30 s prompt is larger than any JSON body
     if request.mimetype != "multipart/form-data":
         raise ApiError(415, "unsupported_media_type", "send multipart/form-data with fields name, text and file audio")
     upload = request.files.get("audio")
     if upload is None:
         raise ApiError(400, "missing_audio", "the form needs a file field 'audio' (1-30 s of the speaker)")
-    return request.form.get("name", ""), upload.read(), request.form.get("text", "")
+    transcript = request.form.get("text", "")
+    if len(transcript) > max_text_len:
+        raise ApiError(413, "text_too_long", f"the transcript has {len(transcript)} characters; the limit is {max_text_len}")
+    return request.form.get("name", ""), upload.read(), transcript
 

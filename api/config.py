@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -18,6 +19,8 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "no
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 PRECISIONS = ("auto", "fp32", "fp16", "int8")  # numeric formats
 TARGETS = ("cpu", "gpu-fp16", "trt-int8")       # build targets of `cosyedge quantize`
+API_KEY_MIN, API_KEY_MAX = 16, 512
+API_KEY = re.compile(r"[\x21-\x7e]{%d,%d}" % (API_KEY_MIN, API_KEY_MAX))  # what fits in `Bearer <key>` unquoted
 
 
 class ConfigError(InputError):
@@ -44,6 +47,9 @@ class ServiceConfig:
     rate_limit_burst: int = 10
     voice_aliases: Mapping[str, str] = field(default_factory=dict)  # OpenAI voice name -> local voice
     state_dir: str | None = None         # dead letters, registered voices; None: device.default_voice.state_dir()
+    api_key: str | None = field(default=None, repr=False)  # Bearer key; required to listen beyond loopback
+    max_streams_per_client: int = 4      # simultaneous `stream: true` responses per client; beyond it: 429
+    log_request_text: bool = False       # the slow-request log line includes the request's text
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voice_aliases", MappingProxyType(dict(self.voice_aliases)))
@@ -67,6 +73,10 @@ class ServiceConfig:
             (0 < self.request_timeout_s <= 3600, "request_timeout_s must be in (0, 3600]"),
             (0 <= self.rate_limit_per_s and math.isfinite(self.rate_limit_per_s), "rate_limit_per_s must be >= 0"),
             (self.rate_limit_burst >= 1, "rate_limit_burst must be >= 1"),
+            (1 <= self.max_streams_per_client <= 10000, "max_streams_per_client must be 1-10000"),
+            (self.api_key is None or API_KEY.fullmatch(self.api_key) is not None,
+             f"api_key must be {API_KEY_MIN}-{API_KEY_MAX} printable ASCII characters without spaces "
+             "(e.g. `openssl rand -hex 32`)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -93,7 +103,11 @@ _ENV = {  # environment variable -> field
     "COSYEDGE_MAX_BATCH_ITEMS": "max_batch_items", "COSYEDGE_REQUEST_TIMEOUT_S": "request_timeout_s",
     "COSYEDGE_RATE_LIMIT_PER_S": "rate_limit_per_s", "COSYEDGE_RATE_LIMIT_BURST": "rate_limit_burst",
     "COSYEDGE_VOICE_ALIASES": "voice_aliases", "COSYEDGE_STATE_DIR": "state_dir",
+    "COSYEDGE_API_KEY": "api_key", "COSYEDGE_MAX_STREAMS_PER_CLIENT": "max_streams_per_client",
+    "COSYEDGE_LOG_REQUEST_TEXT": "log_request_text",
 }
+API_KEY_FILE_ENV = "COSYEDGE_API_KEY_FILE"  # a file holding the key (systemd: LoadCredential=), read once at start
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _TYPES = {f.name: f.type for f in fields(ServiceConfig)}
 
 
@@ -112,6 +126,12 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return dict(value)
         if value == "" and "None" in kind:
             return None
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+                return value.strip().lower() in _TRUE
+            raise ValueError("expected true or false")
         if "int" in kind:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError("expected an integer")
@@ -124,7 +144,26 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             raise ValueError("expected a string")
         return value
     except (TypeError, ValueError) as exc:
+        if name == "api_key":  # never echo (part of) a secret
+            raise ConfigError(f"configuration: {source}: api_key must be a string") from None
         raise ConfigError(f"configuration: {source}: {name}: {exc}") from None
+
+
+def read_api_key_file(path: str, source: str) -> str:
+    """The key in a file (one line; surrounding whitespace and the final newline are not part of it)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(API_KEY_MAX + 64)
+    except OSError as exc:
+        raise ConfigError(f"configuration: {source}: cannot read the API key file: "
+                          f"{exc.strerror or type(exc).__name__}") from None
+    try:
+        key = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"configuration: {source}: the API key file is not ASCII text") from None
+    if not key:
+        raise ConfigError(f"configuration: {source}: the API key file is empty")
+    return key
 
 
 def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = None,
@@ -145,12 +184,21 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
         for key, value in table.items():
             if key == "cosyedge":
                 continue
+            if key == "api_key_file":
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"configuration file {path.name!r}: api_key_file must be a path")
+                values["api_key"] = read_api_key_file(value, path.name)
+                continue
             if key not in _TYPES:
                 raise ConfigError(f"configuration file {path.name!r}: unknown key {key!r}")
             values[key] = _coerce(key, value, path.name)
     for var, name in _ENV.items():
         if var in env:
             values[name] = _coerce(name, env[var], var)
+    if env.get(API_KEY_FILE_ENV):
+        if env.get("COSYEDGE_API_KEY"):
+            raise ConfigError(f"configuration: give COSYEDGE_API_KEY or {API_KEY_FILE_ENV}, not both")
+        values["api_key"] = read_api_key_file(env[API_KEY_FILE_ENV], API_KEY_FILE_ENV)
     for name, value in overrides.items():
         if value is not None:
             values[name] = value

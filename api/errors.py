@@ -9,7 +9,7 @@ from flask import Response, jsonify
 
 from cosyedge.device.errors import CosyedgeError
 
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 405: "invalid_request_error",
           409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           429: "rate_limit_error", 431: "invalid_request_error",
           500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
@@ -35,9 +35,11 @@ DEVICE_ERRORS: dict[str, tuple[int, str]] = {
 class ApiError(Exception):
     """Raised anywhere inside a request; the app turns it into the JSON error response."""
 
-    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+        self.headers = dict(headers or {})
 
     @classmethod
     def from_device(cls, exc: CosyedgeError) -> "ApiError":
@@ -53,6 +55,7 @@ class ApiError(Exception):
         response.status_code = self.status
         if self.retry_after is not None:
             response.headers["Retry-After"] = str(self.retry_after)
+        response.headers.update(self.headers)
         return response
 
 

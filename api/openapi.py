@@ -14,7 +14,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
     text = {400: "invalid JSON (also nested too deep or a number too long), parameter, voice, format, speed or "
                  "empty text", 404: "unknown route or voice",
             413: "text longer than max_text_len, too many batch items, or body too large",
-            415: "Content-Type is not application/json", 429: "per-client rate limit (Retry-After)",
+            401: "API key missing or wrong (only when the service has one; WWW-Authenticate: Bearer)",
+            415: "Content-Type is not application/json",
+            429: "per-client rate limit, or too many streams open for this client (Retry-After)",
             431: "too many header lines",
             500: "synthesis failed (recorded in the dead-letter file)",
             503: "queue full or voice still loading (Retry-After)", 504: "deadline passed before work started"}
@@ -26,7 +28,8 @@ _AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mon
           "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}}},
           "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
                       "audio/L16": {}}}
-_SYNTH_ERRORS = (400, 413, 415, 429, 431, 500, 503, 504)
+_SYNTH_ERRORS = (400, 401, 413, 415, 429, 431, 500, 503, 504)
+PUBLIC_PATHS = ("/healthz", "/readyz")  # the probes answer without the API key
 
 
 def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
@@ -44,7 +47,7 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                        "description": "CosyVoice bundles: inference mode (default: the voice's own)"},
               "instruct_text": {"type": "string", "description": "CosyVoice instruct2: how to speak"},
               "sampling": {"enum": ["default", "greedy"], "default": "default"}}
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "cosyedge", "version": "1", "description": "Offline text-to-speech on localhost"},
         "paths": {
@@ -80,10 +83,10 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                         "audio": {"type": "string", "contentEncoding": "base64"}, "audio_seconds": {"type": "number"},
                         "status": {"type": "integer"}, "error": {"$ref": "#/components/schemas/ErrorBody"}}}}}},
                     "per-item results in input order; a failed item has ok=false, status and error"),
-                    **_errors(400, 413, 415, 429, 431, 503)}}},
+                    **_errors(400, 401, 413, 415, 429, 431, 503)}}},
             "/v1/audio/voices": {
                 "get": {"summary": "Voices of the loaded bundle and registered ones (speaker id, kind), and the aliases",
-                        "responses": {"200": _json({"type": "object"}), **_errors(503)}},
+                        "responses": {"200": _json({"type": "object"}), **_errors(401, 503)}},
                 "post": {"summary": "Register a zero-shot voice from a 1-30 s recording and its transcript "
                                     "(CosyVoice bundles); kept across restarts",
                          "requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -94,21 +97,22 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                          "responses": {"201": _json({"type": "object"}, "registered"),
                                        "409": {"description": "a voice of that name exists",
                                                "content": {"application/json": {"schema": _ERROR}}},
-                                       **_errors(400, 413, 415, 503)}}},
+                                       **_errors(400, 401, 413, 415, 503)}}},
             "/v1/audio/voices/{name}": {"delete": {
                 "summary": "Delete a registered voice",
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {"200": _json({"type": "object"}, "deleted"), **_errors(400, 404, 503)}}},
+                "responses": {"200": _json({"type": "object"}, "deleted"), **_errors(400, 401, 404, 503)}}},
             "/v1/models": {"get": {"summary": "Accepted model names (OpenAI names and the bundle's name)",
-                                   "responses": {"200": _json({"type": "object"})}}},
+                                   "responses": {"200": _json({"type": "object"}), **_errors(401)}}},
             "/healthz": {"get": {"summary": "Liveness: the process and its engine worker run",
                                  "responses": {"200": _json({"type": "object"})}}},
             "/readyz": {"get": {"summary": "Readiness: the voice is loaded and warmed up",
                                 "responses": {"200": _json({"type": "object"}), **_errors(503)}}},
             "/metrics": {"get": {"summary": "Prometheus metrics",
                                  "responses": {"200": {"description": "text exposition format 0.0.4",
-                                                       "content": {"text/plain": {}}}}}},
-            "/openapi.json": {"get": {"summary": "This document", "responses": {"200": _json({"type": "object"})}}},
+                                                       "content": {"text/plain": {}}}, **_errors(401)}}},
+            "/openapi.json": {"get": {"summary": "This document",
+                                      "responses": {"200": _json({"type": "object"}), **_errors(401)}}},
         },
         "components": {"schemas": {
             "ErrorBody": {"type": "object", "required": ["code", "message", "type"],
@@ -116,5 +120,11 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                                          "type": {"type": "string"}}},
             "Error": {"type": "object", "required": ["error"],
                       "properties": {"error": {"$ref": "#/components/schemas/ErrorBody"}}},
-        }},
+        }, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                          "description": "the service's API key, when it has one"}}},
     }
+    if config.api_key is not None:  # every route but the probes needs the key
+        document["security"] = [{"bearer": []}]
+        for path in PUBLIC_PATHS:
+            document["paths"][path]["get"]["security"] = []
+    return document

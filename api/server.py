@@ -15,7 +15,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from cosyedge.api.app import create_app
-from cosyedge.api.config import ServiceConfig
+from cosyedge.api.config import ConfigError, ServiceConfig
 from cosyedge.api.sdnotify import notify, watchdog_interval
 from cosyedge.device.errors import InputError
 
@@ -53,7 +53,28 @@ def load_engine(config: ServiceConfig) -> "Engine":
                        state_dir=config.state_dir, strict_voices=True)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback address (a name that does not resolve: no)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos)
+
+
+def check_bind(config: ServiceConfig) -> None:
+    """The bind rule: beyond loopback only with an API key (then every route but the probes needs it)."""
+    if config.api_key is None and not is_loopback(config.host):
+        raise ConfigError(f"refusing to listen on {config.host}: it is reachable from other machines; configure "
+                          f"an API key (api_key, COSYEDGE_API_KEY or COSYEDGE_API_KEY_FILE) or bind 127.0.0.1")
+
+
 def serve(config: ServiceConfig) -> int:
+    check_bind(config)  # before anything listens
     app = create_app(config)
     service = app.extensions["cosyedge"]
     try:
@@ -62,8 +83,6 @@ def serve(config: ServiceConfig) -> int:
         raise InputError(f"cannot listen on {config.host}:{config.effective_port}: {exc.strerror or exc}") from None
     port = server.effective_port
     log.info("listening on http://%s:%s (voice loading)", config.host, port)
-    if not ipaddress.ip_address(socket.gethostbyname(config.host)).is_loopback:
-        log.warning("bound to %s: the service is reachable from other machines and has no authentication", config.host)
 
     def stop(signum: int, _frame: Any) -> None:
         raise _Stop(signal.Signals(signum).name)

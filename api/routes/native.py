@@ -4,6 +4,7 @@ from __future__ import annotations
 from flask import Blueprint, Response
 
 from cosyedge.api import bodies
+from cosyedge.api.security import hold_stream, note_text
 from cosyedge.api.service import current_service
 from cosyedge.api.synthesis import speak, speak_batch
 
@@ -15,7 +16,11 @@ def tts() -> Response:
     body = bodies.json_body()
     service = current_service()
     engine, _ = service.require_ready()
-    return speak("/v1/tts", bodies.tts(body, engine, service.aliases))
+    note_text(body.get("text"))
+    job = bodies.tts(body, engine, service.aliases)
+    if job.stream:
+        hold_stream()  # before any work is queued: over the bound is a 429 at once
+    return speak("/v1/tts", job)
 
 
 @blueprint.post("/v1/tts/batch")
@@ -23,4 +28,5 @@ def tts_batch() -> Response:
     body = bodies.json_body()
     service = current_service()
     engine, _ = service.require_ready()
+    note_text(body.get("texts"))
     return speak_batch("/v1/tts/batch", bodies.batch(body, engine, service.aliases, service.config.max_batch_items))

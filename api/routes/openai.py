@@ -5,6 +5,7 @@ from flask import Blueprint, Response, jsonify
 
 from cosyedge.api import bodies
 from cosyedge.api.config import OPENAI_MODELS
+from cosyedge.api.security import hold_stream, note_text
 from cosyedge.api.service import current_service
 from cosyedge.api.synthesis import speak
 
@@ -16,7 +17,11 @@ def speech() -> Response:
     body = bodies.json_body()
     service = current_service()
     engine, _ = service.require_ready()
-    return speak("/v1/audio/speech", bodies.speech(body, engine, service.aliases))
+    note_text(body.get("input"))
+    job = bodies.speech(body, engine, service.aliases)
+    if job.stream:
+        hold_stream()  # before any work is queued: over the bound is a 429 at once
+    return speak("/v1/audio/speech", job)
 
 
 @blueprint.get("/v1/models")

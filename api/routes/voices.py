@@ -4,6 +4,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from cosyedge.api import bodies
+from cosyedge.api.security import note_text
 from cosyedge.api.service import current_service
 
 blueprint = Blueprint("voices", __name__)
@@ -21,8 +22,10 @@ def list_voices() -> Response:
 @blueprint.post("/v1/audio/voices")
 def add_voice() -> tuple[Response, int]:
     """Register a zero-shot voice: multipart form with `name`, `text` (the transcript) and file `audio`."""
-    engine, _ = current_service().require_ready()
-    name, audio, transcript = bodies.voice_upload()
+    service = current_service()
+    engine, _ = service.require_ready()
+    name, audio, transcript = bodies.voice_upload(service.config.max_text_len)
+    note_text(transcript)
     engine.add_voice(name, audio, transcript)  # device errors -> statuses by code (app error handler)
     entry = next(v for v in engine.voice_catalog() if v["name"] == name)
     return jsonify({"id": name, **entry}), 201

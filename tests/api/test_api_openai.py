@@ -3,16 +3,30 @@ from __future__ import annotations
 
 import pytest
 
-from apitools import decode
+from apitools import api_config, decode, run_server
 
 openai = pytest.importorskip("openai", reason="pip install openai (the test extra) to run the SDK tests")
 
 TEXT = "Good morning. The next train leaves from platform four."
 
 
+API_KEY = "sk-local-" + "7" * 32
+
+
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="not-needed-locally", max_retries=0, timeout=60)
+def keyed_server(default_engine, tmp_path_factory):
+    """The same service with an API key configured: the SDK sends it as `Authorization: Bearer`."""
+    with run_server(api_config(tmp_path_factory.mktemp("keyed"), api_key=API_KEY), default_engine) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module", params=["no key", "api key"])
+def client(request):
+    if request.param == "no key":
+        return openai.OpenAI(base_url=request.getfixturevalue("server").url + "/v1", api_key="not-needed-locally",
+                             max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=request.getfixturevalue("keyed_server").url + "/v1", api_key=API_KEY,
+                         max_retries=0, timeout=60)
 
 
 def _seconds(audio: bytes) -> float:
@@ -53,3 +67,11 @@ def test_sdk_unknown_voice_raises_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.audio.speech.create(model="tts-1", voice="nobody", input=TEXT)
     assert info.value.body["code"] == "unknown_voice"
+
+
+def test_sdk_with_a_wrong_key_raises_authentication_error(keyed_server):
+    wrong = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key="sk-local-" + "0" * 32, max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.audio.speech.create(model="tts-1", voice="alloy", input=TEXT)
+    assert info.value.status_code == 401 and info.value.body["code"] == "unauthorized"
+    assert API_KEY not in str(info.value.body) and "0" * 32 not in str(info.value.body)
