@@ -147,3 +147,36 @@ def test_spk2info(tiny: Path, golden_dir: Path) -> None:
     for name, fields in spk.items():
         for field, value in fields.items():
             np.testing.assert_array_equal(value, front[f"spk2info_{name}__{field}"], err_msg=f"{name}.{field}")
+
+
+def _with_file(tiny: Path, tmp_path: Path, name: str, edit) -> Path:
+    root = _copy_release(tiny, tmp_path / "rel", skip=(name,))
+    state = torch.load(tiny / name, map_location="cpu", weights_only=True)
+    edit(state)
+    torch.save(state, root / name)
+    return root
+
+
+def test_load_models(tiny: Path) -> None:
+    from cosyedge.quantize.cosyvoice3.models import load_models
+    models = load_models(tiny)
+    assert models.llm.config.speech_vocab == 6761
+    assert models.flow.config.estimator.depth == 2
+    assert next(models.hift.f0_predictor.parameters()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("name,edit,message", [
+    ("flow.pt", lambda s: s.__setitem__("pre_lookahead_layer.conv1.weight", torch.zeros(33, 80, 4)),
+     r"flow\.pt: key 'pre_lookahead_layer\.conv1\.weight' has shape \(33, 80, 4\), expected \(32, 80, 4\)"),
+    ("flow.pt", lambda s: s.__setitem__("decoder.estimator.proj.weight", s.pop("decoder.estimator.proj_out.weight")),
+     r"flow\.pt: missing key 'decoder\.estimator\.proj_out\.weight'"),
+    ("hift.pt", lambda s: s.__setitem__("conv_post.parametrizations.weight.original1", torch.ones(18, 4, 6)),
+     r"hift\.pt: key 'conv_post\.weight' has shape \(18, 4, 6\), expected \(18, 4, 7\)"),
+    ("hift.pt", lambda s: s.__setitem__("f0_predictor.classifier.weights", s.pop("f0_predictor.classifier.weight")),
+     r"hift\.pt: missing key 'f0_predictor\.classifier\.weight'"),
+])
+def test_flow_and_hift_keys_named(tiny: Path, tmp_path: Path, name: str, edit, message: str) -> None:
+    from cosyedge.quantize.cosyvoice3.models import load_models
+    root = _with_file(tiny, tmp_path, name, edit)
+    with pytest.raises(ReleaseError, match=message):
+        load_models(root)
