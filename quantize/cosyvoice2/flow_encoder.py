@@ -101,12 +101,16 @@ class ConformerLayer(nn.Module):
 
 
 class PreLookaheadLayer(nn.Module):
-    """conv1 (kernel K+1) over [x, look-ahead], LeakyReLU, causal conv2 (kernel 3), residual."""
+    """conv1 (kernel K+1) over [x, look-ahead], LeakyReLU, causal conv2 (kernel 3), residual.
 
-    def __init__(self, channels: int, lookahead: int) -> None:
+    `hidden` is the width between the two convolutions: `channels` in CosyVoice2, wider in CosyVoice3
+    (80 -> 1024 -> 80), where this layer alone turns token embeddings into `mu`."""
+
+    def __init__(self, channels: int, lookahead: int, hidden: int | None = None) -> None:
         super().__init__()
-        self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
-        self.conv2 = nn.Conv1d(channels, channels, 3)
+        hidden = channels if hidden is None else hidden
+        self.conv1 = nn.Conv1d(channels, hidden, lookahead + 1)
+        self.conv2 = nn.Conv1d(hidden, channels, 3)
 
     def forward(self, x: torch.Tensor, lookahead: torch.Tensor) -> torch.Tensor:
         h = torch.cat([x, lookahead], dim=1).transpose(1, 2)

@@ -59,28 +59,31 @@ class HiFTConfig:
         return math.prod(self.upsample_rates) * self.hop_len
 
     @classmethod
-    def from_hparams(cls, hparams: dict[str, Any]) -> "HiFTConfig":
+    def from_hparams(cls, hparams: dict[str, Any], *, target: str = HIFT_TARGET, f0_target: str = F0_TARGET,
+                     yaml_name: str = "cosyvoice2.yaml") -> "HiFTConfig":
+        """Parse the yaml `hift:` entry. The targets are parameters so that CosyVoice3's causal HiFT, which has
+        the same hyper-parameters (plus its own), is parsed by this one function."""
         node = hparams.get("hift")
-        if not isinstance(node, Node) or node.target != HIFT_TARGET:
+        if not isinstance(node, Node) or node.target != target:
             found = node.target if isinstance(node, Node) else type(node).__name__
-            raise ReleaseError(f"cosyvoice2.yaml: 'hift' must be {HIFT_TARGET}, found {found}")
+            raise ReleaseError(f"{yaml_name}: 'hift' must be {target}, found {found}")
 
         def arg(key: str, source: Node = node, where: str = "hift") -> Any:
             if key not in source.args:
-                raise ReleaseError(f"cosyvoice2.yaml: {where}.{key} is missing")
+                raise ReleaseError(f"{yaml_name}: {where}.{key} is missing")
             return source.args[key]
 
         f0 = arg("f0_predictor")
-        if not isinstance(f0, Node) or f0.target != F0_TARGET:
-            raise ReleaseError(f"cosyvoice2.yaml: hift.f0_predictor must be {F0_TARGET}")
+        if not isinstance(f0, Node) or f0.target != f0_target:
+            raise ReleaseError(f"{yaml_name}: hift.f0_predictor must be {f0_target}")
         if int(arg("num_class", f0, "hift.f0_predictor")) != 1:
-            raise ReleaseError("cosyvoice2.yaml: hift.f0_predictor.num_class must be 1 (one f0 value per frame)")
+            raise ReleaseError(f"{yaml_name}: hift.f0_predictor.num_class must be 1 (one f0 value per frame)")
         if int(arg("in_channels", f0, "hift.f0_predictor")) != int(arg("in_channels")):
-            raise ReleaseError("cosyvoice2.yaml: hift.f0_predictor.in_channels differs from hift.in_channels")
+            raise ReleaseError(f"{yaml_name}: hift.f0_predictor.in_channels differs from hift.in_channels")
         sampling_rate = int(arg("sampling_rate"))
         if sampling_rate == 22050:
-            raise ReleaseError("cosyvoice2.yaml: hift.sampling_rate 22050 selects the CosyVoice1 SineGen source, "
-                               "which this CosyVoice2 converter does not implement")
+            raise ReleaseError(f"{yaml_name}: hift.sampling_rate 22050 selects the CosyVoice1 SineGen source, "
+                               "which this converter does not implement")
         istft = arg("istft_params")
         cfg = cls(
             in_channels=int(arg("in_channels")),
@@ -105,10 +108,10 @@ class HiFTConfig:
         )
         if len(cfg.upsample_kernel_sizes) != len(cfg.upsample_rates) or \
                 len(cfg.source_resblock_kernel_sizes) != len(cfg.upsample_rates):
-            raise ReleaseError("cosyvoice2.yaml: hift upsample_rates, upsample_kernel_sizes and "
+            raise ReleaseError(f"{yaml_name}: hift upsample_rates, upsample_kernel_sizes and "
                                "source_resblock_kernel_sizes must have the same length")
         if cfg.samples_per_frame >= RATE_GRID:
-            raise ReleaseError(f"cosyvoice2.yaml: hift upsamples {cfg.samples_per_frame} samples per frame; "
+            raise ReleaseError(f"{yaml_name}: hift upsamples {cfg.samples_per_frame} samples per frame; "
                                f"the exact phase arithmetic supports fewer than {int(RATE_GRID)}")
         return cfg
 

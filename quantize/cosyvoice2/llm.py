@@ -16,7 +16,7 @@ The ONNX graphs (prefill / decode) and the embedding tables the runtime gathers 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -37,19 +37,25 @@ class LLMConfig:
     speech_token_size: int
     min_token_text_ratio: float = 2.0   # official `inference` defaults, not in the yaml
     max_token_text_ratio: float = 20.0
+    # Family hooks (class attributes, overridden by CosyVoice3's subclass): the yaml class and file name, whether
+    # `llm_decoder` has a bias, and where sos / task_id live (None: the separate 2-row `llm_embedding`).
+    target: ClassVar[str] = QWEN2LM_TARGET
+    yaml_name: ClassVar[str] = "cosyvoice2.yaml"
+    decoder_bias: ClassVar[bool] = True
+    sos_task_ids: ClassVar[tuple[int, int] | None] = None
 
     @classmethod
-    def from_release(cls, hparams: dict[str, Any], qwen_config: dict[str, Any]) -> "LLMConfig":
+    def from_release(cls, hparams: dict[str, Any], qwen_config: dict[str, Any], **extra: Any) -> "LLMConfig":
         llm = hparams["llm"]
         target = getattr(llm, "target", None)
-        if target != QWEN2LM_TARGET:
-            raise ReleaseError(f"cosyvoice2.yaml: llm is {target!r}, expected {QWEN2LM_TARGET!r}")
+        if target != cls.target:
+            raise ReleaseError(f"{cls.yaml_name}: llm is {target!r}, expected {cls.target!r}")
         qwen = Qwen2Config.from_json(qwen_config)
         for key in ("llm_input_size", "llm_output_size"):
             if int(llm[key]) != qwen.hidden_size:
-                raise ReleaseError(f"cosyvoice2.yaml: llm {key} {llm[key]} differs from the Qwen2 hidden_size "
+                raise ReleaseError(f"{cls.yaml_name}: llm {key} {llm[key]} differs from the Qwen2 hidden_size "
                                    f"{qwen.hidden_size}")
-        return cls(qwen=qwen, speech_token_size=int(llm["speech_token_size"]))
+        return cls(qwen=qwen, speech_token_size=int(llm["speech_token_size"]), **extra)
 
     @property
     def speech_vocab(self) -> int:
@@ -60,8 +66,14 @@ class LLMConfig:
         return self.speech_token_size
 
     @property
-    def stop_ids(self) -> tuple[int, int, int]:
+    def stop_ids(self) -> tuple[int, ...]:
         return (self.speech_token_size, self.speech_token_size + 1, self.speech_token_size + 2)
+
+    @property
+    def min_len_masked_id(self) -> int:
+        """The id the official `sampling_ids` masks while step < min_len: always `speech_token_size` (eos in
+        CosyVoice2; in CosyVoice3 it is sos, so the real eos is not blocked there - an official quirk)."""
+        return self.speech_token_size
 
     def min_max_len(self, n_text_tokens: int) -> tuple[int, int]:
         """Length limits of the generated speech tokens, from the target text length (prompt text excluded)."""
@@ -81,10 +93,11 @@ class Qwen2LM(nn.Module):
         super().__init__()
         self.config = config
         c = config.qwen
-        self.llm_embedding = nn.Embedding(2, c.hidden_size)
+        if config.sos_task_ids is None:
+            self.llm_embedding = nn.Embedding(2, c.hidden_size)
         self.llm = Qwen2Encoder(c)
         self.speech_embedding = nn.Embedding(config.speech_vocab, c.hidden_size)
-        self.llm_decoder = nn.Linear(c.hidden_size, config.speech_vocab, bias=True)
+        self.llm_decoder = nn.Linear(c.hidden_size, config.speech_vocab, bias=config.decoder_bias)
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -98,8 +111,12 @@ class Qwen2LM(nn.Module):
         ids = torch.as_tensor(np.concatenate([np.asarray(prompt_text, np.int64).reshape(-1),
                                               np.asarray(text, np.int64).reshape(-1)]))
         speech = torch.as_tensor(np.asarray(prompt_speech, np.int64).reshape(-1))
-        w = self.llm_embedding.weight
-        rows = [w[0:1], self.body.embed_tokens(ids), w[1:2], self.speech_embedding(speech)]
+        if self.config.sos_task_ids is None:
+            w = self.llm_embedding.weight
+            sos, task = w[0:1], w[1:2]
+        else:
+            sos, task = (self.speech_embedding.weight[i:i + 1] for i in self.config.sos_task_ids)
+        rows = [sos, self.body.embed_tokens(ids), task, self.speech_embedding(speech)]
         return torch.cat(rows, dim=0).unsqueeze(0)
 
     def forward(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -179,10 +196,11 @@ class Qwen2LM(nn.Module):
 
 
 def greedy_choice(logits: np.ndarray, step: int, min_len: int, config: LLMConfig) -> int:
-    """Official greedy rule on one row of speech logits: eos masked while step < min_len, first max wins."""
+    """Official greedy rule on one row of speech logits: `min_len_masked_id` (eos in CosyVoice2) masked while
+    step < min_len, first max wins."""
     scores = np.array(logits, dtype=np.float32)
     if step < min_len:
-        scores[config.eos] = -np.inf
+        scores[config.min_len_masked_id] = -np.inf
     return int(np.argmax(scores))
 
 

@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import yaml
@@ -65,19 +65,22 @@ def _loader() -> type[yaml.SafeLoader]:
     return Loader
 
 
-def _resolve(value: Any, top: dict[str, Any]) -> Any:
+def _resolve(value: Any, top: dict[str, Any], name: str = YAML_NAME) -> Any:
     if isinstance(value, _Ref):
-        expr = re.sub(r"<([\w.]+)>", lambda m: repr(_resolve(top[m.group(1)], top)), str(value))
+        whole = re.fullmatch(r"\s*<([\w.]+)>\s*", str(value))
+        if whole:  # a plain reference, possibly to a class entry (CosyVoice3's `generator: !ref <hift>`)
+            return _resolve(top[whole.group(1)], top, name)
+        expr = re.sub(r"<([\w.]+)>", lambda m: repr(_resolve(top[m.group(1)], top, name)), str(value))
         try:
             return eval(expr, {"__builtins__": {}}, {})  # arithmetic on literals only
         except Exception as exc:  # noqa: BLE001 - reported with the offending expression
-            raise ReleaseError(f"{YAML_NAME}: cannot evaluate !ref {value!r}: {exc}") from None
+            raise ReleaseError(f"{name}: cannot evaluate !ref {value!r}: {exc}") from None
     if isinstance(value, Node):
-        return Node(value.tag, value.target, _resolve(value.args, top))
+        return Node(value.tag, value.target, _resolve(value.args, top, name))
     if isinstance(value, dict):
-        return {k: _resolve(v, top) for k, v in value.items()}
+        return {k: _resolve(v, top, name) for k, v in value.items()}
     if isinstance(value, list):
-        return [_resolve(v, top) for v in value]
+        return [_resolve(v, top, name) for v in value]
     return value
 
 
@@ -90,7 +93,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ReleaseError(f"{path.name}: expected a mapping at the top level")
     top = {k: v for k, v in raw.items() if not k.startswith("__")}
-    return {k: _resolve(v, top) for k, v in top.items()}
+    return {k: _resolve(v, top, path.name) for k, v in top.items()}
 
 
 def load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
@@ -156,23 +159,28 @@ def sub_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
 
 @dataclass(frozen=True)
 class Release:
-    """An official CosyVoice2 release directory, validated: files present, yaml and Qwen2 config parsed."""
+    """An official CosyVoice2 release directory, validated: files present, yaml and Qwen2 config parsed.
+
+    `yaml_name` / `required_files` are class attributes so that a later family with the same layout
+    (CosyVoice3: another yaml and speech tokenizer) subclasses this reader instead of copying it."""
     root: Path
     hparams: dict[str, Any]
     qwen_config: dict[str, Any]
+    yaml_name: ClassVar[str] = YAML_NAME
+    required_files: ClassVar[tuple[str, ...]] = REQUIRED_FILES
 
     @classmethod
     def open(cls, root: Path | str) -> "Release":
         root = Path(root)
         if not root.is_dir():
             raise ReleaseError(f"model directory {root.name!r} does not exist")
-        for name in REQUIRED_FILES:
+        for name in cls.required_files:
             if not (root / name).is_file():
                 raise ReleaseError(f"{name}: missing from the release directory; copy the complete official release")
-        hparams = read_yaml(root / YAML_NAME)
+        hparams = read_yaml(root / cls.yaml_name)
         for key in ("llm", "flow", "hift", "sample_rate"):
             if key not in hparams:
-                raise ReleaseError(f"{YAML_NAME}: missing top-level key {key!r}")
+                raise ReleaseError(f"{cls.yaml_name}: missing top-level key {key!r}")
         try:
             qwen_config = json.loads((root / "CosyVoice-BlankEN/config.json").read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:

@@ -1,0 +1,1 @@
+"""Build-host side of the Fun-CosyVoice3 family: official release -> torch reference modules (-> bundle later)."""
