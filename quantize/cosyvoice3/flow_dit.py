@@ -170,26 +170,28 @@ class FeedForward(nn.Module):
 class DiTBlock(nn.Module):
     def __init__(self, c: DiTConfig) -> None:
         super().__init__()
+        self.dim = c.dim        # a static int: x.shape[-1:] would be traced as a dynamic (unexportable) size
         self.attn_norm = AdaLayerNormZero(c.dim)
         self.attn = Attention(c)
         self.ff = FeedForward(c.dim, c.ff_mult)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, rope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(t)
-        norm = F.layer_norm(x, x.shape[-1:], eps=LN_EPS)
+        norm = F.layer_norm(x, (self.dim,), eps=LN_EPS)
         x = x + gate_msa.unsqueeze(1) * self.attn(norm * (1 + scale_msa[:, None]) + shift_msa[:, None], rope, visible)
-        norm = F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        norm = F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return x + gate_mlp.unsqueeze(1) * self.ff(norm)
 
 
 class AdaLayerNormFinal(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
+        self.dim = dim
         self.linear = nn.Linear(dim, 2 * dim)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.linear(F.silu(emb)).chunk(2, dim=1)
-        return F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * (1 + scale)[:, None, :] + shift[:, None, :]
+        return F.layer_norm(x, (self.dim,), eps=LN_EPS) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
 class DiT(nn.Module):

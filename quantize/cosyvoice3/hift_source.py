@@ -111,6 +111,18 @@ class CausalConvRNNF0Predictor(nn.Module):
         return torch.abs(self.classifier(x.transpose(1, 2)).squeeze(-1))
 
 
+def downsample_linear(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """[B, L, H] -> [B, L / factor, H]: exactly torch's `interpolate(scale_factor=1/factor, mode="linear")`
+    (half-pixel): output j samples position j*factor + (factor-1)/2, i.e. the mean of the two middle samples of
+    block j (even factor, weights 0.5 each: bit-exact) or its middle sample (odd factor). Written with slices
+    because ONNX Resize forms the weights from a float32 1/factor and is off by an ulp."""
+    blocks = x.reshape(x.shape[0], x.shape[1] // factor, factor, x.shape[2])   # sizes traced, not frozen
+    mid = factor // 2
+    if factor % 2:
+        return blocks[:, :, mid]
+    return (blocks[:, :, mid - 1] + blocks[:, :, mid]) * 0.5
+
+
 class SourceModuleHnNSF(nn.Module):
     """Causal SineGen2 + merge: f0 [B, T] (float32) -> source [B, 1, T*U]. Noise tensors are explicit inputs."""
 
@@ -127,8 +139,11 @@ class SourceModuleHnNSF(nn.Module):
         """Unit sines [B, L, H] of the per-sample f0 [B, L, 1] (official `_f02sine`, causal)."""
         rad = torch.remainder(f0_up * self.harmonic_index / self.sampling_rate, 1)
         rad = torch.cat([rad[:, :1] + rand_ini, rad[:, 1:]], dim=1)
-        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample, mode="linear").transpose(1, 2)
-        phase = torch.cumsum(rad, dim=1) * 2 * np.pi
+        rad = downsample_linear(rad, self.upsample)
+        # torch's CPU cumsum accumulates float32 in float64 (each output rounded once); writing the float64 cumsum
+        # explicitly is bit-identical in torch and makes ONNX Runtime (whose CumSum accumulates in the input
+        # type) reproduce it too
+        phase = torch.cumsum(rad.to(torch.float64), dim=1).to(rad.dtype) * 2 * np.pi
         phase = F.interpolate(phase.transpose(1, 2) * self.upsample, scale_factor=self.upsample,
                               mode="nearest").transpose(1, 2)
         return torch.sin(phase)
