@@ -22,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -128,7 +129,8 @@ class Journal:
         with self._lock:
             self._claim()
             lost = 0
-            for journal in sorted(self.state_dir.glob(f"{self._stem}*.jsonl")):
+            ours = re.compile(rf"{re.escape(self._stem)}(-\d+-\d+)?\.jsonl")  # only journals this tool names
+            for journal in sorted(p for p in self.state_dir.glob(f"{self._stem}*.jsonl") if ours.fullmatch(p.name)):
                 if journal == self.inflight_path:
                     lost += self._move_open(journal)
                     self._rewrite(list(self._open.values()))

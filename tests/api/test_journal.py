@@ -91,3 +91,9 @@ def test_batch_items_are_entries_of_their_own_and_compaction_keeps_open_ones(tmp
     dead = read_jsonl(tmp_path / "api_dead_letter.jsonl")
     assert [(d["request_id"], d["request"]["index"]) for d in dead] == [("req", 1), ("req", 2)]
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".new")]
+
+
+def test_recovery_leaves_files_it_did_not_name_alone(tmp_path):
+    (tmp_path / "inflight-notes.jsonl").write_text('{"event": "accepted", "request_id": "mine"}\n')
+    Journal(tmp_path).recover()
+    assert (tmp_path / "inflight-notes.jsonl").read_text() == '{"event": "accepted", "request_id": "mine"}\n'
