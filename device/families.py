@@ -17,6 +17,7 @@ from cosyedge.device.sessions import SessionConfig
 FAMILIES = {
     "vits": "cosyedge.device.vits.pipeline:VitsPipeline",
     "cosyvoice2": "cosyedge.device.cosyvoice2.pipeline:CosyVoice2Pipeline",
+    "cosyvoice3": "cosyedge.device.cosyvoice3.pipeline:CosyVoice3Pipeline",
 }
 DEFAULT_VOICE = "cosyedge.device.vits.default_voice:default_bundle"  # the embedded voice, built on first use
 

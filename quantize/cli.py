@@ -27,9 +27,16 @@ def _random_release(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace, targets: list[str]) -> Path:
-    """The bundle the arguments ask for: a CosyVoice2 release, a Piper voice, or the embedded default voice."""
+    """The bundle the arguments ask for: a CosyVoice2 or Fun-CosyVoice3 release, a Piper voice, or the embedded
+    default voice."""
     from cosyedge.device.vits.convert import build_piper_bundle
     from cosyedge.device.vits.default_voice import DEFAULT_NAME, build_default_bundle, default_bundle
+    if args.model_dir and (Path(args.model_dir) / "cosyvoice3.yaml").is_file():  # routed by the release's yaml
+        if targets or args.allow_fallback:
+            raise InputError("--target and --allow-fallback are not available for CosyVoice3 releases yet "
+                             "(the bundle has fp32 graphs)")
+        from cosyedge.quantize.cosyvoice3.bundle import write_bundle as write_cosyvoice3
+        return write_cosyvoice3(Path(args.model_dir), Path(args.out))
     if args.model_dir:
         from cosyedge.quantize.cosyvoice2.bundle import write_bundle
         unknown = [t for t in targets if t not in TARGETS]
@@ -69,7 +76,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Entry point `cosyedge.commands: quantize`."""
     p = sub.add_parser("quantize", help="build a bundle (no arguments: the embedded default voice)")
-    p.add_argument("--model-dir", help="an official CosyVoice2 release directory -> cosyvoice2 bundle")
+    p.add_argument("--model-dir", help="an official CosyVoice2 (cosyvoice2.yaml) or Fun-CosyVoice3 (cosyvoice3.yaml) release "
+                        "directory -> cosyvoice2 / cosyvoice3 bundle")
     p.add_argument("--random-init", metavar="PRESET", help="write a random-weight release of real size (cosyvoice2-0.5b)")
     p.add_argument("--template", help="with --random-init: release to copy tokenizer, front-end models, spk2info from")
     p.add_argument("--piper-model", help="a Piper voice .onnx")

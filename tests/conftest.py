@@ -54,6 +54,20 @@ def cv2_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def cv3_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny official-layout Fun-CosyVoice3 release as an fp32 bundle, built once per test run."""
+    import torch
+
+    from cosyedge.quantize.cosyvoice3.bundle import write_bundle
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return write_bundle(golden_dir / "cosyvoice3-tiny", tmp_path_factory.mktemp("cv3") / "tiny")
+    finally:
+        torch.set_num_threads(threads)
+
+
 _BLOCK_TORCH = '''
 import importlib.abc, sys
 class _NoTorch(importlib.abc.MetaPathFinder):

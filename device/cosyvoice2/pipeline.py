@@ -48,12 +48,13 @@ class CosyVoice2Pipeline(Pipeline):
     """One CosyVoice2 bundle: sessions and tables shared, everything per request passed in."""
 
     supports_voice_registration = True
+    family = "cosyvoice2"
 
     def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
         manifest = bundle.manifest
         cfg = manifest.config
         self.sample_rate = manifest.sample_rate
-        self._frontend = TextFrontend(bundle.asset("tokenizer"))
+        self._frontend = self._text_frontend(bundle.asset("tokenizer"))
         self._frontend_lock = threading.Lock()  # the wetext normalisers are built lazily and are not known thread-safe
         graphs = bundle.selected(precision)  # a precision (fp32, int8) or a quantize target (cpu, trt-int8)
         missing = [name for name in STAGES if name not in graphs]
@@ -65,14 +66,14 @@ class CosyVoice2Pipeline(Pipeline):
         try:
             self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
                                 bundle.asset("speech_embedding"), bundle.asset("llm_embedding"),
-                                DecodeConfig.from_config(cfg))
+                                self._decode_config(cfg))
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS))
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)
             noise = np.load(bundle.asset("cfm_noise"))
             noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
             self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg))
-            self._vocoder = Vocoder(s["hift_source"], s["hift_decoder"], int(cfg["hift_upsample"]))
-            self._stream_config = StreamConfig.from_config(cfg["stream"])
+            self._vocoder = self._make_vocoder(s["hift_source"], s["hift_decoder"], cfg)
+            self._stream_config = self._read_stream_config(cfg["stream"])
             self._mel_bins = int(cfg["mel"]["n_mels"])
             self._mel_config = FlowMelConfig(**cfg["mel"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -86,6 +87,26 @@ class CosyVoice2Pipeline(Pipeline):
         self._session_config = sessions
         self._prompt_models: tuple[Any, Any] | None = None
         self._prompt_lock = threading.Lock()
+
+    # -- family hooks (CosyVoice3 overrides them; device/cosyvoice3/pipeline.py) ---------------
+    def _text_frontend(self, tokenizer_json: Path) -> TextFrontend:
+        return TextFrontend(tokenizer_json)
+
+    def _decode_config(self, cfg: dict[str, Any]) -> DecodeConfig:
+        return DecodeConfig.from_config(cfg)
+
+    def _make_vocoder(self, source: Any, decoder: Any, cfg: dict[str, Any]) -> Any:
+        return Vocoder(source, decoder, int(cfg["hift_upsample"]))
+
+    def _read_stream_config(self, cfg: dict[str, Any]) -> Any:
+        return StreamConfig.from_config(cfg)
+
+    def _lm_input(self, segment: Segment, inputs: ModeInputs) -> np.ndarray:
+        return self._lm.lm_input(segment.ids, inputs.prompt_text, inputs.prompt_speech)
+
+    def _flow_tokens(self, tokens: list[int]) -> list[int]:
+        """The LLM's tokens -> the tokens the flow voices (all of them in CosyVoice2)."""
+        return tokens
 
     # -- Pipeline contract ------------------------------------------------------------------
     def voices(self) -> list[str]:
@@ -126,13 +147,14 @@ class CosyVoice2Pipeline(Pipeline):
         for segments, request in jobs:
             inputs = self._mode_inputs(request)
             rng = np.random.default_rng(request.seed)
-            lm_inputs = [self._lm.lm_input(segment.ids, inputs.prompt_text, inputs.prompt_speech) for segment in segments]
+            lm_inputs = [self._lm_input(segment, inputs) for segment in segments]
             group = self._decoder.submit(lm_inputs, [len(segment.ids) for segment in segments], request.sampling == "greedy",
                                          rng, request.pin_tokens) if segments else None
             pending.append((inputs, rng, group))
         spoken = []  # (job, segment, prompt, tokens) of every segment that has speech tokens
         for job, (inputs, _, group) in enumerate(pending):
             for segment, tokens in enumerate(group.results() if group is not None else []):
+                tokens = self._flow_tokens(tokens)
                 if tokens:
                     spoken.append((job, segment, inputs.flow, np.asarray(tokens, np.int64)))
         mels = {}
@@ -185,7 +207,7 @@ class CosyVoice2Pipeline(Pipeline):
                 "decode_active_rows": float(stats["active_rows"])}
 
     def describe(self) -> dict[str, Any]:
-        return {"family": "cosyvoice2", "precision": dict(self._precision),
+        return {"family": self.family, "precision": dict(self._precision),
                 "providers": {name: s.get_providers()[0] for name, s in self._sessions.items()},
                 "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(MODES),
                 "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._stream_config),
@@ -250,7 +272,7 @@ class CosyVoice2Pipeline(Pipeline):
                                  None if request.deterministic else rng)
 
     def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator) -> Iterator[int]:
-        lm_input = self._lm.lm_input(segment.ids, inputs.prompt_text, inputs.prompt_speech)
+        lm_input = self._lm_input(segment, inputs)
         return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, request.pin_tokens)
 
     def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:

@@ -9,7 +9,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,17 +36,17 @@ STREAM = {"hops": [25, 50, 100], "lookahead": 3, "mel_cache_frames": 8, "source_
           "crossfade_samples": 3840}
 
 
-def _sampling(hparams: dict[str, Any]) -> dict[str, float]:
+def _sampling(hparams: dict[str, Any], yaml_name: str = YAML_NAME) -> dict[str, float]:
     node = hparams["llm"].get("sampling")
     args = getattr(node, "args", None) or {}
     try:
         return {"top_p": float(args["top_p"]), "top_k": int(args["top_k"]), "win_size": int(args["win_size"]),
                 "tau_r": float(args["tau_r"])}
     except (KeyError, TypeError, ValueError):
-        raise ReleaseError(f"{YAML_NAME}: llm.sampling must give top_p, top_k, win_size and tau_r") from None
+        raise ReleaseError(f"{yaml_name}: llm.sampling must give top_p, top_k, win_size and tau_r") from None
 
 
-def _mel_config(hparams: dict[str, Any]) -> dict[str, Any]:
+def _mel_config(hparams: dict[str, Any], yaml_name: str = YAML_NAME) -> dict[str, Any]:
     mel = hparams.get("feat_extractor")
     args = getattr(mel, "args", None) or {}
     try:
@@ -55,12 +55,14 @@ def _mel_config(hparams: dict[str, Any]) -> dict[str, Any]:
                 "fmax": None if args.get("fmax") is None else float(args["fmax"]),
                 "sample_rate": int(args["sampling_rate"])}
     except (KeyError, TypeError, ValueError):
-        raise ReleaseError(f"{YAML_NAME}: feat_extractor must give n_fft, hop_size, win_size, num_mels, fmin, fmax, "
+        raise ReleaseError(f"{yaml_name}: feat_extractor must give n_fft, hop_size, win_size, num_mels, fmin, fmax, "
                            "sampling_rate") from None
 
 
-def _voices(release: Release, work: Path, tokenizer_json: Path) -> list[tuple[str, str]]:
-    """spk2info entries -> voices/<name>.npz; returns (name, file) pairs in spk2info order."""
+def write_voices(release: Release, work: Path, tokenizer_json: Path, keep_special_tokens: bool = False
+                 ) -> list[tuple[str, str]]:
+    """spk2info entries -> voices/<name>.npz; returns (name, file) pairs in spk2info order. The prompt text is
+    decoded from its ids (`keep_special_tokens`: with markers such as CosyVoice3's `<|endofprompt|>`)."""
     if not release.has_spk2info:
         return []
     from tokenizers import Tokenizer
@@ -77,7 +79,7 @@ def _voices(release: Release, work: Path, tokenizer_json: Path) -> list[tuple[st
                 for k, v in entry.items() if isinstance(v, torch.Tensor)}
         if "llm_prompt_speech_token" in flat:
             ids = flat["prompt_text"].astype(np.int64)
-            arrays = {"kind": np.array("zero_shot"), "prompt_text": np.array(tokenizer.decode(ids.tolist())),
+            arrays = {"kind": np.array("zero_shot"), "prompt_text": np.array(tokenizer.decode(ids.tolist(), skip_special_tokens=not keep_special_tokens)),
                       "prompt_text_ids": ids,
                       "llm_prompt_speech_token": flat["llm_prompt_speech_token"].astype(np.int64),
                       "flow_prompt_speech_token": flat["flow_prompt_speech_token"].astype(np.int64),
@@ -92,6 +94,33 @@ def _voices(release: Release, work: Path, tokenizer_json: Path) -> list[tuple[st
         np.savez(work / rel, **arrays)
         out.append((str(name), rel))
     return out
+
+
+def export_stages(writer: BundleWriter, modules: dict[str, Any], exporters: dict[str, Callable[[Any, Path], dict]]
+                  ) -> dict[str, float]:
+    """Export each stage's module with its exporter into the bundle as fp32 components; seconds per stage."""
+    timings: dict[str, float] = {}
+    for stage, export in exporters.items():
+        t0 = time.perf_counter()
+        for name, path in export(modules[stage], writer.work).items():
+            path.rename(writer.work / f"{name}.fp32.onnx")
+            writer.add_component(name, "fp32", f"{name}.fp32.onnx")
+        timings[stage] = round(time.perf_counter() - t0, 2)
+    return timings
+
+
+def copy_stand_ins(writer: BundleWriter, root: Path, stand_ins: dict[str, str]) -> None:
+    """The release's own ONNX front-end models (CAM++, speech tokenizer), copied as fp32 components."""
+    for name, file_name in stand_ins.items():
+        shutil.copyfile(root / file_name, writer.work / f"{name}.fp32.onnx")
+        writer.add_component(name, "fp32", f"{name}.fp32.onnx")
+
+
+def provenance(root: Path, timings: dict[str, float]) -> dict[str, Any]:
+    """Source name, tool version, export seconds and the hash of every release file the bundle came from."""
+    source_files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".pt", ".onnx", ".yaml", ".json", ".txt"))
+    return {"source": root.name, "tool_version": TOOL_VERSION, "created": created_now(), "export_seconds": timings,
+            "source_files": {str(p.relative_to(root)): sha256_file(p) for p in source_files}}
 
 
 def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] = (), allow_fallback: bool = False
@@ -110,16 +139,8 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
     writer = BundleWriter(Path(out))
     try:
         work = writer.work
-        timings: dict[str, float] = {}
-        for stage, export in (("llm", export_llm), ("flow", export_flow), ("hift", export_hift)):
-            t0 = time.perf_counter()
-            for name, path in export(modules[stage], work).items():
-                path.rename(work / f"{name}.fp32.onnx")
-                writer.add_component(name, "fp32", f"{name}.fp32.onnx")
-            timings[stage] = round(time.perf_counter() - t0, 2)
-        for name, file_name in ONNX_STAND_INS.items():
-            shutil.copyfile(release.root / file_name, work / f"{name}.fp32.onnx")
-            writer.add_component(name, "fp32", f"{name}.fp32.onnx")
+        timings = export_stages(writer, modules, {"llm": export_llm, "flow": export_flow, "hift": export_hift})
+        copy_stand_ins(writer, release.root, ONNX_STAND_INS)
 
         write_tokenizer_json(release.root / "CosyVoice-BlankEN", work / "tokenizer.json")
         writer.add_asset("tokenizer", "tokenizer.json")
@@ -129,7 +150,7 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
             writer.add_asset(name, f"{name}.npy")
         np.save(work / "cfm_noise.npy", fixed_noise())
         writer.add_asset("cfm_noise", "cfm_noise.npy")
-        voices = _voices(release, work, work / "tokenizer.json")
+        voices = write_voices(release, work, work / "tokenizer.json")
         for name, rel in voices:
             writer.add_asset(f"voice:{name}", rel)
         del modules
@@ -150,7 +171,6 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
             timings["targets"] = round(time.perf_counter() - t0, 2)
         del tables
 
-        source_files = sorted(p for p in release.root.rglob("*") if p.is_file() and p.suffix in (".pt", ".onnx", ".yaml", ".json", ".txt"))
         writer.write_manifest(
             family="cosyvoice2", name=release.root.name, sample_rate=int(release.hparams["sample_rate"]),
             voices=tuple(name for name, _ in voices), default_precision="fp32",
@@ -163,9 +183,7 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                     "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30,
                     **({"targets": built.targets} if built else {})},
             quality=built.quality if built else {},
-            provenance={"source": release.root.name, "tool_version": TOOL_VERSION, "created": created_now(),
-                        "export_seconds": timings,
-                        "source_files": {str(p.relative_to(release.root)): sha256_file(p) for p in source_files}},
+            provenance=provenance(release.root, timings),
         )
         Bundle.load(writer.work)  # the runtime's own validator must accept what we wrote
     except BaseException:

@@ -1,0 +1,145 @@
+"""Fun-CosyVoice3 causal HiFT on ONNX Runtime, its fixed sine noise, and per-request streaming.
+
+Graph signatures and the finalize=False trimming rule: quantize/cosyvoice3/hift_export.py. The NSF noise is the
+release's FIXED uniform tensor (official `SineGen2.sine_waves`), not shipped in the bundle: it is regenerated
+here from the manifest's recipe (`hift_noise`: MT19937 seeded 0 as numpy's legacy seeding, `draws_before` outputs
+discarded, `harmonics` draws of rand_ini, then the rows; value = (u32 & 0xFFFFFF) * 2^-24) and checked against the
+first row the build host stored. rand_ini is a constant inside `hift_source`.
+
+Streaming (official CosyVoice3Model.tts, rules in the golden vectors' README): the chunk schedule is CosyVoice2's
+(`cosyvoice2.streaming.ChunkSchedule`: hop 25 + prompt pad, then 50, 100, ...; 3 look-ahead tokens) counted over
+the tokens that pass the silent filter; each chunk's new mel is appended to the request's accumulated mel, HiFT
+re-runs on ALL of it (finalize=False except for the last chunk) and only the samples after those already emitted
+are yielded. No cross-fade, no source cache: causality and the fixed noise make every re-run reproduce the prefix.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import onnxruntime as ort
+
+from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
+from cosyedge.device.cosyvoice2.streaming import ChunkSchedule
+from cosyedge.device.errors import BundleError, InputError
+
+GROW_SECONDS = 60  # the noise grows a minute at a time
+
+
+@dataclass(frozen=True)
+class Stream3Config:
+    """`manifest.config["stream"]`: the hop sequence and the look-ahead tokens (what ChunkSchedule reads)."""
+    hops: tuple[int, ...]
+    lookahead: int
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "Stream3Config":
+        return cls(hops=tuple(int(h) for h in cfg["hops"]), lookahead=int(cfg["lookahead"]))
+
+
+class SineNoise:
+    """The fixed sine noise rows [L, H], regenerated from the recipe once and grown on demand (thread-safe)."""
+
+    def __init__(self, recipe: dict[str, Any], sample_rate: int) -> None:
+        if recipe.get("generator") != "mt19937":
+            raise BundleError(f"unknown HiFT noise generator {recipe.get('generator')!r}; re-create the bundle")
+        self._seed = int(recipe["seed"])
+        self._skip = int(recipe["draws_before"])
+        self.harmonics = int(recipe["harmonics"])
+        self.max_rows = int(recipe["max_rows"])
+        self._first_row = np.asarray(recipe["first_row"], np.float32)
+        self._step = GROW_SECONDS * sample_rate
+        self._rows = np.zeros((0, self.harmonics), np.float32)
+        self._lock = threading.Lock()
+
+    def rows(self, count: int) -> np.ndarray:
+        """The first `count` rows (InputError beyond the official tensor: 300 s at 24 kHz)."""
+        if count > self.max_rows:
+            raise InputError(f"the utterance needs {count} vocoder samples; the model supports at most "
+                             f"{self.max_rows}: use a shorter text")
+        rows = self._rows
+        if rows.shape[0] < count:
+            with self._lock:
+                if self._rows.shape[0] < count:
+                    self._rows = self._generate(min(max(count, self._rows.shape[0] + self._step), self.max_rows))
+                rows = self._rows
+        return rows[:count]
+
+    def _generate(self, count: int) -> np.ndarray:
+        bits = np.random.MT19937()
+        bits._legacy_seeding(self._seed)
+        if self._skip:
+            bits.random_raw(self._skip)
+        raw = bits.random_raw(self.harmonics * (count + 1))[self.harmonics:]
+        rows = ((raw & 0xFFFFFF).astype(np.float64) * 2.0 ** -24).astype(np.float32).reshape(count, self.harmonics)
+        if count and not np.array_equal(rows[0], self._first_row):
+            raise BundleError("the regenerated HiFT noise does not match the bundle's check row; re-create the bundle")
+        return rows
+
+
+class Vocoder3:
+    """`hift_source` then `hift_decoder`, finalize on (whole mel) or off (streaming: the look-ahead trimmed)."""
+
+    def __init__(self, source: ort.InferenceSession, decoder: ort.InferenceSession, noise: SineNoise,
+                 samples_per_frame: int, f0_lookahead: int, conv_pre_lookahead: int) -> None:
+        self._source = source
+        self._decoder = decoder
+        self._noise = noise
+        self.samples_per_frame = samples_per_frame
+        self._f0_lookahead = f0_lookahead
+        self._conv_pre_lookahead = conv_pre_lookahead
+
+    def run(self, mel: np.ndarray, finalize: bool) -> np.ndarray:
+        """[1, M, T] mel -> float32 waveform [T * U] (finalize) or [(T - f0_la - conv_la - 1) * U]."""
+        u = self.samples_per_frame
+        mel = np.ascontiguousarray(mel, np.float32)
+        frames = mel.shape[2]
+        source, _f0 = self._source.run(None, {"mel": mel, "sine_noise": self._noise.rows(frames * u)})
+        if not finalize:
+            frames -= self._f0_lookahead
+            if frames <= 0:
+                return np.zeros(0, np.float32)
+            mel, source = np.ascontiguousarray(mel[:, :, :frames]), np.ascontiguousarray(source[:, :, :frames * u])
+        (speech,) = self._decoder.run(None, {"mel": mel, "source": source})
+        if not finalize:
+            return speech[0, :max(frames - self._conv_pre_lookahead - 1, 0) * u]
+        return speech[0]
+
+    def __call__(self, mel: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Non-streaming (CosyVoice2's call signature; the v3 noise is fixed, so `rng` is unused)."""
+        return self.run(mel, finalize=True)
+
+
+def stream_tokens(tokens: Iterable[int], keep: Callable[[int], bool], prompt: FlowPrompt, flow: Flow,
+                  vocoder: Vocoder3, config: Stream3Config) -> Iterator[np.ndarray]:
+    """Waveform chunks for an LLM token stream; `keep` is the request's silent filter (tokens it drops are not
+    voiced and do not count for the schedule)."""
+    ratio = flow.config.token_mel_ratio
+    schedule = ChunkSchedule(len(prompt.tokens), config)  # type: ignore[arg-type]  # reads hops / lookahead only
+    got: list[int] = []
+    mel: np.ndarray | None = None
+    emitted = 0
+
+    def voice(new: np.ndarray, finalize: bool) -> np.ndarray:
+        nonlocal mel, emitted
+        mel = new if mel is None else np.concatenate([mel, new], axis=2)
+        speech = vocoder.run(mel, finalize)
+        out, emitted = speech[emitted:], max(emitted, speech.shape[0])
+        return out
+
+    for token in tokens:
+        if not keep(int(token)):
+            continue
+        got.append(int(token))
+        size = schedule.ready(len(got))
+        if size is None:
+            continue
+        chunk = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
+        yield voice(chunk[:, :, ratio * schedule.offset:], finalize=False)
+        schedule.advance()
+    if not got:
+        return
+    chunk = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
+    yield voice(chunk[:, :, ratio * schedule.offset:], finalize=True)

@@ -1,0 +1,100 @@
+"""Official Fun-CosyVoice3 release -> `cosyvoice3` bundle (fp32 graphs; layout in docs/bundle_cosyvoice3.md).
+
+The CosyVoice2 writer's pieces are reused (`cosyvoice2.bundle`: stage export loop, front-end model copies, voices
+from spk2info, sampling and mel config readers, provenance); what differs is the graphs (`cosyvoice3.export`,
+`cosyvoice3.hift_export`), the tokenizer, the LLM tables and the HiFT noise, which is not shipped: the manifest
+carries the recipe numbers (MT19937 seeded 0, draws to skip, harmonics) and the device regenerates the rows it
+needs, checked against the first row stored here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cosyedge.device.bundle import Bundle
+from cosyedge.device.bundle_writer import BundleWriter, check_out_dir
+from cosyedge.quantize.cosyvoice2.bundle import (_mel_config, _sampling, copy_stand_ins, export_stages, provenance,
+                                                 write_voices)
+from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, fixed_noise
+from cosyedge.quantize.cosyvoice3 import export as E
+from cosyedge.quantize.cosyvoice3 import hift_export as HX
+from cosyedge.quantize.cosyvoice3.hift_source import SINE_NOISE_ROWS
+from cosyedge.quantize.cosyvoice3.models import load_models
+from cosyedge.quantize.cosyvoice3.release import YAML_NAME
+from cosyedge.quantize.cosyvoice3.tokenizer import write_tokenizer_json
+
+log = logging.getLogger(__name__)
+
+FAMILY = "cosyvoice3"
+ONNX_STAND_INS = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v3.onnx"}
+STREAM = {"hops": [25, 50, 100], "lookahead": 3}
+SILENT_TOKENS = [1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323]   # CosyVoice3Model.silent_tokens
+MAX_SILENT_RUN = 5
+
+
+def hift_noise_recipe(hift: Any) -> dict[str, Any]:
+    """How the device regenerates the fixed sine noise (quantize/cosyvoice3/hift_source.fixed_sine_noise)."""
+    harmonics = hift.cfg.nb_harmonics + 1
+    _, rows = hift.fixed_noise(1)
+    return {"generator": "mt19937", "seed": 0, "draws_before": hift.noise_sizes.draws_before(),
+            "harmonics": harmonics, "max_rows": SINE_NOISE_ROWS, "first_row": [float(v) for v in rows[0].numpy()]}
+
+
+def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
+    """Build a `cosyvoice3` bundle (fp32) from an official release directory; returns the bundle path."""
+    started = time.perf_counter()
+    check_out_dir(Path(out))  # refuse a foreign directory before minutes of export
+    models = load_models(model_dir)  # strict loads of every checkpoint first
+    release, lm, flow, hift = models.release, models.llm, models.flow, models.hift
+    writer = BundleWriter(Path(out))
+    try:
+        work = writer.work
+        timings = export_stages(writer, {"llm": lm, "flow": flow, "hift": hift},
+                                {"llm": E.export_llm, "flow": E.export_flow, "hift": HX.export_hift})
+        copy_stand_ins(writer, release.root, ONNX_STAND_INS)
+        write_tokenizer_json(release.root / "CosyVoice-BlankEN", work / "tokenizer.json")
+        writer.add_asset("tokenizer", "tokenizer.json")
+        c = lm.config
+        tables = E.embedding_tables(lm)
+        # sos and task_id rows of speech_embedding as CosyVoice2's [2, H] table: the runtime assembles lm_input alike
+        tables["llm_embedding"] = np.ascontiguousarray(tables["speech_embedding"][[c.sos, c.task_id]])
+        for name, table in tables.items():
+            np.save(work / f"{name}.npy", table)
+            writer.add_asset(name, f"{name}.npy")
+        np.save(work / "cfm_noise.npy", fixed_noise())
+        writer.add_asset("cfm_noise", "cfm_noise.npy")
+        voices = write_voices(release, work, work / "tokenizer.json", keep_special_tokens=True)
+        for name, rel in voices:
+            writer.add_asset(f"voice:{name}", rel)
+        fc = flow.config
+        sample_rate = int(release.hparams["sample_rate"])
+        writer.write_manifest(
+            family=FAMILY, name=release.root.name, sample_rate=sample_rate,
+            voices=tuple(name for name, _ in voices), default_precision="fp32",
+            config={"speech_token_size": c.speech_token_size, "sos": c.sos, "eos": c.eos, "task_id": c.task_id,
+                    "stop_ids": list(c.stop_ids), "min_len_masked_id": c.min_len_masked_id,
+                    "min_token_text_ratio": c.min_token_text_ratio, "max_token_text_ratio": c.max_token_text_ratio,
+                    "sampling": _sampling(release.hparams, YAML_NAME),
+                    "token_mel_ratio": fc.token_mel_ratio, "pre_lookahead_len": fc.pre_lookahead_len,
+                    "n_timesteps": N_TIMESTEPS, "inference_cfg_rate": fc.inference_cfg_rate,
+                    "estimator_chunk": fc.estimator.static_chunk_size,
+                    "mel": _mel_config(release.hparams, YAML_NAME), "hift_upsample": hift.cfg.samples_per_frame,
+                    "hift_f0_lookahead": hift.f0_predictor.lookahead,
+                    "hift_conv_pre_lookahead": hift.cfg.conv_pre_look_right,
+                    "hift_noise": hift_noise_recipe(hift), "stream": STREAM,
+                    "silent_tokens": SILENT_TOKENS, "max_silent_run": MAX_SILENT_RUN,
+                    "instruct2_saved_speaker_quirk": True,
+                    "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30},
+            quality={}, provenance=provenance(release.root, timings))
+        del models, lm, flow, hift
+        Bundle.load(writer.work)  # the runtime's own validator must accept what we wrote
+    except BaseException:
+        writer.abort()
+        raise
+    path = writer.commit()
+    log.info("wrote %s in %.1f s", path.name, time.perf_counter() - started)
+    return path
