@@ -138,12 +138,15 @@ class ResBlock(nn.Module):
 
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
         super().__init__()
-        self.convs1 = nn.ModuleList(nn.Conv1d(channels, channels, kernel_size, dilation=d,
-                                              padding=get_padding(kernel_size, d)) for d in dilations)
-        self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel_size,
-                                              padding=get_padding(kernel_size, 1)) for _ in dilations)
+        self.convs1 = nn.ModuleList(self.conv(channels, kernel_size, d) for d in dilations)
+        self.convs2 = nn.ModuleList(self.conv(channels, kernel_size, 1) for _ in dilations)
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    @staticmethod
+    def conv(channels: int, kernel_size: int, dilation: int) -> nn.Module:
+        """One of the block's convolutions: centred ("same") padding here; a causal block overrides it."""
+        return nn.Conv1d(channels, channels, kernel_size, dilation=dilation, padding=get_padding(kernel_size, dilation))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):

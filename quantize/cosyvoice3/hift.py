@@ -1,8 +1,9 @@
 """Fun-CosyVoice3 vocoder (`CausalHiFTGenerator`) as a torch inference module.
 
 Shared with CosyVoice2 and reused from cosyvoice2/hift.py: the yaml parser (`HiFTConfig.from_hparams` with the
-causal class names), Snake, and the STFT / iSTFT with their windowed DFT bases (`HiFTBase`: n_fft 16, hop 4,
-periodic Hann, centred, overlap-add divided by the squared window). Different here, because every convolution is causal:
+causal class names), the Snake residual block (`ResBlock`, its convolutions made causal), and the STFT / iSTFT
+with their windowed DFT bases (`HiFTBase`: n_fft 16, hop 4, periodic Hann, centred, overlap-add divided by the
+squared window). Different here, because every convolution is causal:
 
 * conv_pre: kernel `conv_pre_look_right` + 1 with that many frames of RIGHT context (zeros when finalizing);
 * ups: nearest x u, left pad k-1, Conv1d (not ConvTranspose); source_downs: kernel 2u, stride u, left pad u-1;
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.cosyvoice2.hift import HiFTBase, HiFTConfig, Snake
+from cosyedge.quantize.cosyvoice2.hift import HiFTBase, HiFTConfig, ResBlock
 from cosyedge.quantize.cosyvoice2.release import check_state
 from cosyedge.quantize.cosyvoice3.hift_source import (SINE_NOISE_ROWS, CausalConv1d, CausalConvRNNF0Predictor,
                                                       NoiseSizes, SourceModuleHnNSF, fixed_sine_noise)
@@ -56,20 +57,12 @@ def _keep(trace: dict[str, torch.Tensor] | None, name: str, value: torch.Tensor)
         trace[name] = value
 
 
-class CausalResBlock(nn.Module):
-    """x += conv2(snake(conv1(snake(x)))) per dilation, every conv left-padded (causal)."""
+class CausalResBlock(ResBlock):
+    """CosyVoice2's block (x += conv2(snake(conv1(snake(x)))) per dilation), every conv left-padded (causal)."""
 
-    def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
-        super().__init__()
-        self.convs1 = nn.ModuleList(CausalConv1d(channels, channels, kernel, d) for d in dilations)
-        self.convs2 = nn.ModuleList(CausalConv1d(channels, channels, kernel) for _ in dilations)
-        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
-        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = conv2(act2(conv1(act1(x)))) + x
-        return x
+    @staticmethod
+    def conv(channels: int, kernel_size: int, dilation: int) -> nn.Module:
+        return CausalConv1d(channels, channels, kernel_size, dilation)
 
 
 class CausalUpsample(nn.Conv1d):
