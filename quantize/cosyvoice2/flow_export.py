@@ -51,7 +51,7 @@ from torch import nn
 
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, CausalMaskedDiffWithXvec
 from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
-from cosyedge.quantize.onnx_export import trace_to_onnx
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 
 ENCODER_NAME = "flow_encoder"
 ESTIMATOR_NAME = "flow_estimator"

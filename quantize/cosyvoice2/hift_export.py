@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from cosyedge.quantize.cosyvoice2.hift import HiFTGenerator
-from cosyedge.quantize.onnx_export import trace_to_onnx
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 
 
 class _SourceGraph(nn.Module):

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from cosyedge.quantize.cosyvoice2.llm import Qwen2LM
-from cosyedge.quantize.onnx_export import trace_to_onnx
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 
 PREFILL_NAME = "llm_prefill.onnx"
 DECODE_NAME = "llm_decode.onnx"

@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 from cosyedge.quantize.cosyvoice3.hift import CausalHiFTGenerator
 from cosyedge.quantize.cosyvoice3.hift_source import SINE_NOISE_ROWS, CausalConv1d, CausalConvRNNF0Predictor
-from cosyedge.quantize.onnx_export import trace_to_onnx
 
 SOURCE_NAME = "hift_source"
 DECODER_NAME = "hift_decoder"

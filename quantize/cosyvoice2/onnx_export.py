@@ -1,4 +1,5 @@
-"""The one way the build host traces a torch module into an ONNX graph (every family, every stage).
+"""The one way the build host traces a torch module into an ONNX graph (every family, every stage: CosyVoice3's
+exports import it from here, as they import CosyVoice2's graph wrappers).
 
 TorchScript exporter (no onnxscript needed), opset 17, constant folding, the exporter's deprecation and tracer
 notices silenced; then, when asked, one pass over the saved model: an `edit` of the graph and its
