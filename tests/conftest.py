@@ -19,6 +19,18 @@ def golden_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def cv3_tiny_dir(golden_dir: Path) -> Path:
+    """The tiny random-weight Fun-CosyVoice3 release in the official on-disk layout (goldens in vectors/)."""
+    return golden_dir / "cosyvoice3-tiny"
+
+
+@pytest.fixture(scope="session")
+def cv3_vectors(cv3_tiny_dir: Path) -> Path:
+    """The official goldens of the tiny CosyVoice3 release (vectors/README.md)."""
+    return cv3_tiny_dir / "vectors"
+
+
+@pytest.fixture(scope="session")
 def cosyedge_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A private state directory, so tests never touch the user's bundles."""
     home = tmp_path_factory.mktemp("cosyedge_home")

@@ -45,7 +45,9 @@ class EstimatorConfig:
 
 
 @dataclass(frozen=True)
-class FlowConfig:
+class FlowSizes:
+    """The sizes every CosyVoice flow (2 and 3) reads the same way from its yaml `flow:` entry, and the checks
+    both make on that entry."""
     vocab_size: int
     input_size: int
     mel_bins: int
@@ -53,14 +55,39 @@ class FlowConfig:
     token_mel_ratio: int
     pre_lookahead_len: int
     inference_cfg_rate: float
+
+    @staticmethod
+    def flow_entry(hparams: dict[str, Any], target: str, yaml_name: str) -> Any:
+        """The yaml `flow:` entry, refused unless it is the class `target`."""
+        flow = hparams.get("flow")
+        if getattr(flow, "target", None) != target:
+            raise ReleaseError(f"{yaml_name}: flow is {getattr(flow, 'target', None)!r}, expected {target!r}")
+        return flow
+
+    @staticmethod
+    def check_cfm(cfm: Any, yaml_name: str) -> None:
+        """Refuse a CFM solver or time schedule other than the ones implemented (Euler, cosine)."""
+        for key, want in (("solver", "euler"), ("t_scheduler", "cosine")):
+            if cfm.get(key, want) != want:
+                raise ReleaseError(f"{yaml_name}: flow cfm_params {key} {cfm[key]!r} is not supported")
+
+    @staticmethod
+    def read(flow: Any, cfm: Any) -> dict[str, Any]:
+        """The shared sizes as keyword arguments (KeyError / TypeError on a missing or odd entry)."""
+        return {"vocab_size": int(flow["vocab_size"]), "input_size": int(flow["input_size"]),
+                "mel_bins": int(flow["output_size"]), "spk_embed_dim": int(flow["spk_embed_dim"]),
+                "token_mel_ratio": int(flow["token_mel_ratio"]), "pre_lookahead_len": int(flow["pre_lookahead_len"]),
+                "inference_cfg_rate": float(cfm["inference_cfg_rate"])}
+
+
+@dataclass(frozen=True)
+class FlowConfig(FlowSizes):
     encoder: EncoderConfig
     estimator: EstimatorConfig
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any]) -> "FlowConfig":
-        flow = hparams.get("flow")
-        if getattr(flow, "target", None) != FLOW_TARGET:
-            raise ReleaseError(f"cosyvoice2.yaml: flow is {getattr(flow, 'target', None)!r}, expected {FLOW_TARGET!r}")
+        flow = cls.flow_entry(hparams, FLOW_TARGET, "cosyvoice2.yaml")
         try:
             enc, dec = flow["encoder"], flow["decoder"]
             est, cfm = dec["estimator"], dec["cfm_params"]["content"]
@@ -70,9 +97,7 @@ class FlowConfig:
                 if enc.get(key, want) != want:
                     raise ReleaseError(f"cosyvoice2.yaml: flow.encoder {key} {enc[key]!r} is not supported "
                                        f"(expected {want!r})")
-            for key, want in (("solver", "euler"), ("t_scheduler", "cosine")):
-                if cfm.get(key, want) != want:
-                    raise ReleaseError(f"cosyvoice2.yaml: flow cfm_params {key} {cfm[key]!r} is not supported")
+            cls.check_cfm(cfm, "cosyvoice2.yaml")
             if est.get("act_fn", "gelu") != "gelu":
                 raise ReleaseError(f"cosyvoice2.yaml: estimator act_fn {est['act_fn']!r} is not supported")
             channels = list(est["channels"])
@@ -80,10 +105,7 @@ class FlowConfig:
                 raise ReleaseError(f"cosyvoice2.yaml: estimator channels {channels} (only one UNet level, as in "
                                    "CosyVoice2, is supported)")
             return cls(
-                vocab_size=int(flow["vocab_size"]), input_size=int(flow["input_size"]),
-                mel_bins=int(flow["output_size"]), spk_embed_dim=int(flow["spk_embed_dim"]),
-                token_mel_ratio=int(flow["token_mel_ratio"]), pre_lookahead_len=int(flow["pre_lookahead_len"]),
-                inference_cfg_rate=float(cfm["inference_cfg_rate"]),
+                **cls.read(flow, cfm),
                 encoder=EncoderConfig(
                     input_size=int(enc["input_size"]), output_size=int(enc["output_size"]),
                     attention_heads=int(enc["attention_heads"]), linear_units=int(enc["linear_units"]),

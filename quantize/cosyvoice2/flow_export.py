@@ -43,7 +43,6 @@ The Euler loop for one request, exactly as the official `solve_euler` (float32 t
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import onnx
@@ -52,10 +51,10 @@ from torch import nn
 
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, CausalMaskedDiffWithXvec
 from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 
 ENCODER_NAME = "flow_encoder"
 ESTIMATOR_NAME = "flow_estimator"
-ONNX_OPSET = 17
 
 
 class EncoderGraph(nn.Module):
@@ -95,38 +94,40 @@ def export_flow(module: CausalMaskedDiffWithXvec, out_dir: Path) -> dict[str, Pa
     Traced with the TorchScript exporter; example shapes use distinct sizes so that no dynamic dimension is
     specialised, and both flags are graph inputs (one graph covers streaming and non-streaming calls).
     """
+    return export_flow_graphs(module, out_dir, graph_metadata(module.config), frames=2 * 7)
+
+
+def _fix_encoder(model: onnx.ModelProto) -> None:
+    """The tracer leaves mu's batch axis unnamed (it is 1), and drops `streaming` where the encoder ignores it
+    (CosyVoice3): restored, so that one runtime feeds every family's encoder the same inputs."""
+    model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 1
+    if "streaming" not in [i.name for i in model.graph.input]:
+        model.graph.input.append(onnx.helper.make_tensor_value_info("streaming", onnx.TensorProto.INT64, [1]))
+
+
+def export_flow_graphs(module: nn.Module, out_dir: Path, metadata: dict[str, str], frames: int) -> dict[str, Path]:
+    """The two flow graphs of any flow with CosyVoice2's `encode` / `velocity` signatures (CosyVoice2 and 3),
+    `metadata` in both files; the estimator is traced on `frames` example frames at batch 3."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     module = module.eval()
     c = module.config
-    b, size = 3, 2 * 7
+    b, size = 3, frames
     flag = torch.ones(1, dtype=torch.int64)
     jobs = {
         ENCODER_NAME: (
-            EncoderGraph(module),
+            EncoderGraph(module),  # type: ignore[arg-type]  # duck-typed: every flow has the same encode
             (torch.randint(0, c.vocab_size, (1, 7 + c.pre_lookahead_len)), torch.randn(1, c.spk_embed_dim), flag,
              flag),
             ["token", "embedding", "finalize", "streaming"], ["mu", "spks"],
-            {"token": {1: "tokens"}, "mu": {2: "frames"}}),
+            {"token": {1: "tokens"}, "mu": {2: "frames"}}, _fix_encoder),
         ESTIMATOR_NAME: (
-            EstimatorGraph(module),
+            EstimatorGraph(module),  # type: ignore[arg-type]
             (torch.randn(b, c.mel_bins, size), torch.ones(b, 1, size), torch.randn(b, c.mel_bins, size),
              torch.rand(b), torch.randn(b, c.mel_bins), torch.randn(b, c.mel_bins, size), flag),
             ["x", "mask", "mu", "t", "spks", "cond", "streaming"], ["velocity"],
             {name: {0: "batch", 2: "frames"} for name in ("x", "mask", "mu", "cond", "velocity")}
-            | {"t": {0: "batch"}, "spks": {0: "batch"}}),
+            | {"t": {0: "batch"}, "spks": {0: "batch"}}, None),
     }
-    paths: dict[str, Path] = {}
-    for name, (graph, args, inputs, outputs, axes) in jobs.items():
-        path = out_dir / f"{name}.onnx"
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
-            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET, input_names=inputs,
-                              output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
-        model = onnx.load(str(path))
-        if name == ENCODER_NAME:  # the tracer leaves mu's batch axis unnamed; it is 1
-            model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 1
-        onnx.helper.set_model_props(model, graph_metadata(c))
-        onnx.save(model, str(path))
-        paths[name] = path
-    return paths
+    return {name: trace_to_onnx(graph, args, out_dir / f"{name}.onnx", inputs, outputs, axes, metadata, edit)
+            for name, (graph, args, inputs, outputs, axes, edit) in jobs.items()}

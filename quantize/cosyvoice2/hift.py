@@ -138,12 +138,15 @@ class ResBlock(nn.Module):
 
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
         super().__init__()
-        self.convs1 = nn.ModuleList(nn.Conv1d(channels, channels, kernel_size, dilation=d,
-                                              padding=get_padding(kernel_size, d)) for d in dilations)
-        self.convs2 = nn.ModuleList(nn.Conv1d(channels, channels, kernel_size,
-                                              padding=get_padding(kernel_size, 1)) for _ in dilations)
+        self.convs1 = nn.ModuleList(self.conv(channels, kernel_size, d) for d in dilations)
+        self.convs2 = nn.ModuleList(self.conv(channels, kernel_size, 1) for _ in dilations)
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    @staticmethod
+    def conv(channels: int, kernel_size: int, dilation: int) -> nn.Module:
+        """One of the block's convolutions: centred ("same") padding here; a causal block overrides it."""
+        return nn.Conv1d(channels, channels, kernel_size, dilation=dilation, padding=get_padding(kernel_size, dilation))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
@@ -181,12 +184,39 @@ def _dft_bases(n_fft: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.from_numpy(inverse.astype(np.float32))[:, None, :])
 
 
-class HiFTGenerator(nn.Module):
+class HiFTBase(nn.Module):
+    """What every HiFT generator (CosyVoice2's, CosyVoice3's causal one) shares: its config and the centred STFT /
+    iSTFT of the source and the output, as windowed-DFT convolutions (bases in non-persistent buffers)."""
+
+    def __init__(self, cfg: HiFTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        stft_basis, istft_basis = _dft_bases(cfg.n_fft)
+        self.register_buffer("stft_basis", stft_basis, persistent=False)
+        self.register_buffer("istft_basis", istft_basis, persistent=False)
+        self.register_buffer("window_square", torch.from_numpy(_hann(cfg.n_fft) ** 2).float()[None, None, :],
+                             persistent=False)
+
+    def stft(self, signal: torch.Tensor) -> torch.Tensor:
+        """[B, 1, L] -> [B, 2*(n_fft/2+1), L/hop + 1]: real then imaginary parts of the centred STFT."""
+        half = self.cfg.n_fft // 2
+        return F.conv1d(F.pad(signal, (half, half), mode="reflect"), self.stft_basis, stride=self.cfg.hop_len)
+
+    def istft(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        """Centred one-sided iSTFT by overlap-add: [B, bins, F] x 2 -> [B, hop * (F - 1)]."""
+        magnitude = torch.clamp(magnitude, max=1e2)
+        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
+        frames = F.conv_transpose1d(spec, self.istft_basis, stride=self.cfg.hop_len)
+        envelope = F.conv_transpose1d(torch.ones_like(spec[:1, :1, :]), self.window_square, stride=self.cfg.hop_len)
+        half = self.cfg.n_fft // 2
+        return (frames / envelope)[:, 0, half:-half]
+
+
+class HiFTGenerator(HiFTBase):
     """HiFT inference: f0 -> NSF source -> source-conditioned HiFi-GAN -> magnitude/phase -> iSTFT."""
 
     def __init__(self, cfg: HiFTConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.f0_predictor = ConvRNNF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
         self.m_source = SourceModuleHnNSF(cfg)
         self.conv_pre = nn.Conv1d(cfg.in_channels, cfg.base_channels, 7, padding=3)
@@ -208,11 +238,6 @@ class HiFTGenerator(nn.Module):
             ResBlock(channels[i + 1], k, d) for i in range(stages)
             for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
         self.conv_post = nn.Conv1d(channels[-1], spec_channels, 7, padding=3)
-        stft_basis, istft_basis = _dft_bases(cfg.n_fft)
-        self.register_buffer("stft_basis", stft_basis, persistent=False)
-        self.register_buffer("istft_basis", istft_basis, persistent=False)
-        self.register_buffer("window_square", torch.from_numpy(_hann(cfg.n_fft) ** 2).float()[None, None, :],
-                             persistent=False)
 
     def f0(self, mel: torch.Tensor) -> torch.Tensor:
         """mel [B, 80, T] -> f0 [B, T] in Hz."""
@@ -222,20 +247,6 @@ class HiFTGenerator(nn.Module):
         """mel [B, 80, T], noise [B, T*U, H] -> (source [B, 1, T*U], f0 [B, T])."""
         f0 = self.f0(mel)
         return self.m_source(f0, noise), f0
-
-    def stft(self, signal: torch.Tensor) -> torch.Tensor:
-        """[B, 1, L] -> [B, 2*(n_fft/2+1), L/hop + 1]: real then imaginary parts of the centred STFT."""
-        half = self.cfg.n_fft // 2
-        return F.conv1d(F.pad(signal, (half, half), mode="reflect"), self.stft_basis, stride=self.cfg.hop_len)
-
-    def istft(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-        """Centred one-sided iSTFT by overlap-add: [B, bins, F] x 2 -> [B, hop * (F - 1)]."""
-        magnitude = torch.clamp(magnitude, max=1e2)
-        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
-        frames = F.conv_transpose1d(spec, self.istft_basis, stride=self.cfg.hop_len)
-        envelope = F.conv_transpose1d(torch.ones_like(spec[:1, :1, :]), self.window_square, stride=self.cfg.hop_len)
-        half = self.cfg.n_fft // 2
-        return (frames / envelope)[:, 0, half:-half]
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """mel [B, 80, T], source [B, 1, T*U] -> speech [B, T*U] clamped to +-audio_limit."""

@@ -27,15 +27,13 @@ previous HiFT input ++ new mel; source[:, :, :8*U] = previous chunk's source[:, 
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from cosyedge.quantize.cosyvoice2.hift import HiFTGenerator
-
-ONNX_OPSET = 17
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 
 
 class _SourceGraph(nn.Module):
@@ -72,16 +70,9 @@ def export_hift(module: HiFTGenerator, out_dir: Path) -> dict[str, Path]:
         "hift_decoder": (_DecoderGraph(module), (mel, source), ["mel", "source"], ["speech"],
                          {"mel": {0: "B", 2: "T"}, "source": {0: "B", 2: "TU"}, "speech": {0: "B", 1: "TU"}}),
     }
-    paths: dict[str, Path] = {}
     was_training = module.training
     module.eval()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer notices
-        for name, (graph, args, inputs, outputs, axes) in graphs.items():
-            path = out_dir / f"{name}.onnx"
-            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET,
-                              input_names=inputs, output_names=outputs, dynamic_axes=axes,
-                              do_constant_folding=True)
-            paths[name] = path
+    paths = {name: trace_to_onnx(graph, args, out_dir / f"{name}.onnx", inputs, outputs, axes)
+             for name, (graph, args, inputs, outputs, axes) in graphs.items()}
     module.train(was_training)
     return paths

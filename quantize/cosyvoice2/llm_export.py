@@ -32,7 +32,6 @@ speech_embedding row with position_ids = L + i and mask ones(L + i + 1).
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,10 +39,10 @@ import torch
 from torch import nn
 
 from cosyedge.quantize.cosyvoice2.llm import Qwen2LM
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 
 PREFILL_NAME = "llm_prefill.onnx"
 DECODE_NAME = "llm_decode.onnx"
-ONNX_OPSET = 17
 
 
 def embedding_tables(module: Qwen2LM) -> dict[str, np.ndarray]:
@@ -81,8 +80,9 @@ class DecodeGraph(nn.Module):
         return self.lm.forward(inputs_embeds, attention_mask, position_ids, past_key, past_value)
 
 
-def export_llm(module: Qwen2LM, out_dir: Path) -> dict[str, Path]:
-    """Write llm_prefill.onnx and llm_decode.onnx (signatures in the module docstring) into out_dir.
+def export_llm(module: Qwen2LM, out_dir: Path, metadata: dict[str, str] | None = None) -> dict[str, Path]:
+    """Write llm_prefill.onnx and llm_decode.onnx (signatures in the module docstring) into out_dir, with
+    `metadata` in both files' metadata_props when given (CosyVoice3's stop ids).
 
     Traced with the TorchScript exporter (no onnxscript needed); example shapes use B = 2 and distinct
     lengths so that no dynamic dimension is specialised. Each graph carries its own copy of the weights.
@@ -111,13 +111,6 @@ def export_llm(module: Qwen2LM, out_dir: Path) -> dict[str, Path]:
              "attention_mask": {0: "batch", 1: "total"}, "position_ids": {0: "batch"},
              "logits": {0: "batch"}, "present_key": present_axes, "present_value": present_axes}),
     }
-    paths: dict[str, Path] = {}
-    for name, (graph, args, input_names, axes) in jobs.items():
-        path = out_dir / f"{name}.onnx"
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
-            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET,
-                              input_names=input_names, output_names=["logits", "present_key", "present_value"],
-                              dynamic_axes=axes, do_constant_folding=True)
-        paths[name] = path
-    return paths
+    outputs = ["logits", "present_key", "present_value"]
+    return {name: trace_to_onnx(graph, args, out_dir / f"{name}.onnx", inputs, outputs, axes, metadata)
+            for name, (graph, args, inputs, axes) in jobs.items()}

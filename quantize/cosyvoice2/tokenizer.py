@@ -8,6 +8,7 @@ no transformers), so this can run on any host.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -34,8 +35,9 @@ def _special(content: str) -> AddedToken:
     return AddedToken(content, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
 
 
-def build_tokenizer(blank_en_dir: str | Path) -> Tokenizer:
-    """The BlankEN byte-level BPE (Qwen2 pipeline) with the base and CosyVoice2 special tokens added."""
+def build_tokenizer(blank_en_dir: str | Path, extra_specials: Sequence[str] = ()) -> Tokenizer:
+    """The BlankEN byte-level BPE (Qwen2 pipeline) with the base and CosyVoice2 special tokens added, then
+    `extra_specials` (a later family's, e.g. CosyVoice3's) with the next ids, in order."""
     blank_en = Path(blank_en_dir)
     paths = {name: blank_en / name for name in ("vocab.json", "merges.txt", "tokenizer_config.json")}
     for name, path in paths.items():
@@ -62,12 +64,15 @@ def build_tokenizer(blank_en_dir: str | Path) -> Tokenizer:
             raise ReleaseError(f"CosyVoice-BlankEN/tokenizer_config.json: {content} should have id {token_id}, "
                                f"the vocabulary gives {tokenizer.token_to_id(content)}")
     tokenizer.add_special_tokens([_special(content) for content in COSYVOICE2_SPECIAL_TOKENS])
+    if extra_specials:
+        tokenizer.add_special_tokens([_special(content) for content in extra_specials])
     return tokenizer
 
 
-def write_tokenizer_json(blank_en_dir: str | Path, out_path: str | Path) -> Path:
-    """Write the CosyVoice2 tokenizer to `out_path` (one JSON file, loadable by `tokenizers` alone)."""
+def write_tokenizer_json(blank_en_dir: str | Path, out_path: str | Path, extra_specials: Sequence[str] = ()) -> Path:
+    """Write the CosyVoice2 tokenizer (plus `extra_specials`, see `build_tokenizer`) to `out_path` (one JSON file,
+    loadable by `tokenizers` alone)."""
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(blank_en_dir).save(str(out))
+    build_tokenizer(blank_en_dir, extra_specials).save(str(out))
     return out

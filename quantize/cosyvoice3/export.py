@@ -22,20 +22,15 @@ Flow (`flow_encoder.onnx`, `flow_estimator.onnx`; signatures as in `cosyvoice2.f
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
-import onnx
-import torch
 
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS
-from cosyedge.quantize.cosyvoice2.flow_export import ENCODER_NAME, ESTIMATOR_NAME, EncoderGraph, EstimatorGraph
+from cosyedge.quantize.cosyvoice2.flow_export import ENCODER_NAME, ESTIMATOR_NAME, export_flow_graphs
 from cosyedge.quantize.cosyvoice2.llm_export import DECODE_NAME, PREFILL_NAME, export_llm as _export_llm_graphs
 from cosyedge.quantize.cosyvoice3.flow import CausalMaskedDiffWithDiT, Flow3Config
 from cosyedge.quantize.cosyvoice3.llm import CosyVoice3LM
-
-ONNX_OPSET = 17
 
 __all__ = ["DECODE_NAME", "ENCODER_NAME", "ESTIMATOR_NAME", "PREFILL_NAME", "embedding_tables", "export_flow",
            "export_llm", "flow_metadata", "llm_metadata"]
@@ -60,23 +55,9 @@ def llm_metadata(module: CosyVoice3LM) -> dict[str, str]:
             "max_token_text_ratio": repr(c.max_token_text_ratio)}
 
 
-def _set_metadata(path: Path, meta: dict[str, str], encoder: bool = False) -> None:
-    model = onnx.load(str(path))
-    if encoder:
-        model.graph.output[0].type.tensor_type.shape.dim[0].dim_value = 1  # the tracer leaves mu's batch unnamed
-        if "streaming" not in [i.name for i in model.graph.input]:
-            # unused by the v3 encoder, so the tracer dropped it; kept so that one runtime feeds both families
-            model.graph.input.append(onnx.helper.make_tensor_value_info("streaming", onnx.TensorProto.INT64, [1]))
-    onnx.helper.set_model_props(model, meta)
-    onnx.save(model, str(path))
-
-
 def export_llm(module: CosyVoice3LM, out_dir: Path) -> dict[str, Path]:
     """Write llm_prefill.onnx and llm_decode.onnx (CosyVoice2's graphs over the v3 module) with v3 metadata."""
-    paths = _export_llm_graphs(module, Path(out_dir))
-    for path in paths.values():
-        _set_metadata(path, llm_metadata(module))
-    return paths
+    return _export_llm_graphs(module, Path(out_dir), llm_metadata(module))  # type: ignore[arg-type]
 
 
 def flow_metadata(c: Flow3Config) -> dict[str, str]:
@@ -92,37 +73,8 @@ def flow_metadata(c: Flow3Config) -> dict[str, str]:
 def export_flow(module: CausalMaskedDiffWithDiT, out_dir: Path) -> dict[str, Path]:
     """Write flow_encoder.onnx and flow_estimator.onnx (signatures in the module docstring) into out_dir.
 
-    Traced with the TorchScript exporter; the example length (2 x 37 = 74 frames) crosses a 50-frame chunk
-    boundary and no example size equals another, so no dynamic dimension is specialised.
+    CosyVoice2's flow export (`export_flow_graphs`, which also restores the `streaming` input the v3 encoder does
+    not use); the example length (2 x 37 = 74 frames) crosses a 50-frame chunk boundary and no example size
+    equals another, so no dynamic dimension is specialised.
     """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    module = module.eval()
-    c = module.config
-    b, size = 3, 2 * 37
-    flag = torch.ones(1, dtype=torch.int64)
-    jobs = {
-        ENCODER_NAME: (
-            EncoderGraph(module),  # type: ignore[arg-type]  # duck-typed: the v3 flow has the same encode
-            (torch.randint(0, c.vocab_size, (1, 7 + c.pre_lookahead_len)), torch.randn(1, c.spk_embed_dim), flag,
-             flag),
-            ["token", "embedding", "finalize", "streaming"], ["mu", "spks"],
-            {"token": {1: "tokens"}, "mu": {2: "frames"}}),
-        ESTIMATOR_NAME: (
-            EstimatorGraph(module),  # type: ignore[arg-type]
-            (torch.randn(b, c.mel_bins, size), torch.ones(b, 1, size), torch.randn(b, c.mel_bins, size),
-             torch.rand(b), torch.randn(b, c.mel_bins), torch.randn(b, c.mel_bins, size), flag),
-            ["x", "mask", "mu", "t", "spks", "cond", "streaming"], ["velocity"],
-            {name: {0: "batch", 2: "frames"} for name in ("x", "mask", "mu", "cond", "velocity")}
-            | {"t": {0: "batch"}, "spks": {0: "batch"}}),
-    }
-    paths: dict[str, Path] = {}
-    for name, (graph, args, inputs, outputs, axes) in jobs.items():
-        path = out_dir / f"{name}.onnx"
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation and tracer notices
-            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET, input_names=inputs,
-                              output_names=outputs, dynamic_axes=axes, do_constant_folding=True)
-        _set_metadata(path, flow_metadata(c), encoder=name == ENCODER_NAME)
-        paths[name] = path
-    return paths
+    return export_flow_graphs(module, out_dir, flow_metadata(module.config), frames=2 * 37)

@@ -20,6 +20,7 @@ from torch import nn
 
 from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2.flow import CausalMaskedDiffWithXvec, fixed_noise, prompt_condition
+from cosyedge.quantize.cosyvoice2.flow_config import FlowSizes
 from cosyedge.quantize.cosyvoice2.flow_encoder import PreLookaheadLayer
 from cosyedge.quantize.cosyvoice2.release import check_state
 from cosyedge.quantize.cosyvoice3.flow_dit import DiT, DiTConfig
@@ -34,35 +35,20 @@ __all__ = ["CausalMaskedDiffWithDiT", "Flow3Config", "build_flow", "build_flow_r
 
 
 @dataclass(frozen=True)
-class Flow3Config:
-    vocab_size: int
-    input_size: int
-    mel_bins: int
-    spk_embed_dim: int
-    token_mel_ratio: int
-    pre_lookahead_len: int
+class Flow3Config(FlowSizes):
     pre_lookahead_channels: int
-    inference_cfg_rate: float
     estimator: DiTConfig
 
     @classmethod
     def from_hparams(cls, hparams: dict[str, Any]) -> "Flow3Config":
-        flow = hparams.get("flow")
-        if getattr(flow, "target", None) != FLOW_TARGET:
-            raise ReleaseError(f"{YAML_NAME}: flow is {getattr(flow, 'target', None)!r}, expected {FLOW_TARGET!r}")
+        flow = cls.flow_entry(hparams, FLOW_TARGET, YAML_NAME)
         try:
             pre, dec = flow["pre_lookahead_layer"], flow["decoder"]
             cfm = dec["cfm_params"]["content"]
             if getattr(pre, "target", None) != PRELOOKAHEAD_TARGET:
                 raise ReleaseError(f"{YAML_NAME}: flow.pre_lookahead_layer must be {PRELOOKAHEAD_TARGET}")
-            for key, want in (("solver", "euler"), ("t_scheduler", "cosine")):
-                if cfm.get(key, want) != want:
-                    raise ReleaseError(f"{YAML_NAME}: flow cfm_params {key} {cfm[key]!r} is not supported")
-            c = cls(vocab_size=int(flow["vocab_size"]), input_size=int(flow["input_size"]),
-                    mel_bins=int(flow["output_size"]), spk_embed_dim=int(flow["spk_embed_dim"]),
-                    token_mel_ratio=int(flow["token_mel_ratio"]), pre_lookahead_len=int(flow["pre_lookahead_len"]),
-                    pre_lookahead_channels=int(pre["channels"]),
-                    inference_cfg_rate=float(cfm["inference_cfg_rate"]),
+            cls.check_cfm(cfm, YAML_NAME)
+            c = cls(**cls.read(flow, cfm), pre_lookahead_channels=int(pre["channels"]),
                     estimator=DiTConfig.from_node(dec["estimator"], YAML_NAME))
         except (KeyError, TypeError) as exc:
             raise ReleaseError(f"{YAML_NAME}: flow entry lacks {exc.args[0]!r}") from None

@@ -1,8 +1,9 @@
 """Fun-CosyVoice3 vocoder (`CausalHiFTGenerator`) as a torch inference module.
 
 Shared with CosyVoice2 and reused from cosyvoice2/hift.py: the yaml parser (`HiFTConfig.from_hparams` with the
-causal class names), Snake, and the windowed DFT bases of the STFT / iSTFT (n_fft 16, hop 4, periodic Hann,
-centred, overlap-add divided by the squared window). Different here, because every convolution is causal:
+causal class names), the Snake residual block (`ResBlock`, its convolutions made causal), and the STFT / iSTFT
+with their windowed DFT bases (`HiFTBase`: n_fft 16, hop 4, periodic Hann, centred, overlap-add divided by the
+squared window). Different here, because every convolution is causal:
 
 * conv_pre: kernel `conv_pre_look_right` + 1 with that many frames of RIGHT context (zeros when finalizing);
 * ups: nearest x u, left pad k-1, Conv1d (not ConvTranspose); source_downs: kernel 2u, stride u, left pad u-1;
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.cosyvoice2.hift import HiFTConfig, Snake, _dft_bases, _hann
+from cosyedge.quantize.cosyvoice2.hift import HiFTBase, HiFTConfig, ResBlock
 from cosyedge.quantize.cosyvoice2.release import check_state
 from cosyedge.quantize.cosyvoice3.hift_source import (SINE_NOISE_ROWS, CausalConv1d, CausalConvRNNF0Predictor,
                                                       NoiseSizes, SourceModuleHnNSF, fixed_sine_noise)
@@ -56,20 +57,12 @@ def _keep(trace: dict[str, torch.Tensor] | None, name: str, value: torch.Tensor)
         trace[name] = value
 
 
-class CausalResBlock(nn.Module):
-    """x += conv2(snake(conv1(snake(x)))) per dilation, every conv left-padded (causal)."""
+class CausalResBlock(ResBlock):
+    """CosyVoice2's block (x += conv2(snake(conv1(snake(x)))) per dilation), every conv left-padded (causal)."""
 
-    def __init__(self, channels: int, kernel: int, dilations: tuple[int, ...]) -> None:
-        super().__init__()
-        self.convs1 = nn.ModuleList(CausalConv1d(channels, channels, kernel, d) for d in dilations)
-        self.convs2 = nn.ModuleList(CausalConv1d(channels, channels, kernel) for _ in dilations)
-        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
-        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for conv1, conv2, act1, act2 in zip(self.convs1, self.convs2, self.activations1, self.activations2):
-            x = conv2(act2(conv1(act1(x)))) + x
-        return x
+    @staticmethod
+    def conv(channels: int, kernel_size: int, dilation: int) -> nn.Module:
+        return CausalConv1d(channels, channels, kernel_size, dilation)
 
 
 class CausalUpsample(nn.Conv1d):
@@ -95,10 +88,12 @@ class CausalDownsample(nn.Conv1d):
         return super().forward(F.pad(x, (self.rate - 1, 0)))
 
 
-class CausalHiFTGenerator(nn.Module):
+class CausalHiFTGenerator(HiFTBase):
+    cfg: HiFT3Config
+
     def __init__(self, cfg: HiFT3Config, noise_sizes: NoiseSizes) -> None:
-        super().__init__()
-        self.cfg, self.noise_sizes = cfg, noise_sizes
+        super().__init__(cfg)
+        self.noise_sizes = noise_sizes
         harmonics = cfg.nb_harmonics + 1
         self.f0_predictor = CausalConvRNNF0Predictor(cfg.in_channels, cfg.f0_cond_channels).double()
         self.m_source = SourceModuleHnNSF(cfg.sampling_rate, cfg.samples_per_frame, harmonics, cfg.nsf_alpha,
@@ -118,11 +113,6 @@ class CausalHiFTGenerator(nn.Module):
         self.resblocks = nn.ModuleList(CausalResBlock(ch[i + 1], k, d) for i in range(stages)
                                        for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes))
         self.conv_post = CausalConv1d(ch[-1], spec, CONV_POST_KERNEL)
-        stft_basis, istft_basis = _dft_bases(cfg.n_fft)
-        self.register_buffer("stft_basis", stft_basis, persistent=False)
-        self.register_buffer("istft_basis", istft_basis, persistent=False)
-        self.register_buffer("window_square", torch.from_numpy(_hann(cfg.n_fft) ** 2).float()[None, None, :],
-                             persistent=False)
         self._noise: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fixed_noise(self, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,18 +133,6 @@ class CausalHiFTGenerator(nn.Module):
         f0 = f0.to(torch.float32)
         ini, waves = self.fixed_noise(f0.shape[1] * self.cfg.samples_per_frame)
         return self.m_source(f0, ini, waves)
-
-    def stft(self, signal: torch.Tensor) -> torch.Tensor:
-        half = self.cfg.n_fft // 2
-        return F.conv1d(F.pad(signal, (half, half), mode="reflect"), self.stft_basis, stride=self.cfg.hop_len)
-
-    def istft(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-        magnitude = torch.clamp(magnitude, max=1e2)
-        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
-        frames = F.conv_transpose1d(spec, self.istft_basis, stride=self.cfg.hop_len)
-        envelope = F.conv_transpose1d(torch.ones_like(spec[:1, :1, :]), self.window_square, stride=self.cfg.hop_len)
-        half = self.cfg.n_fft // 2
-        return (frames / envelope)[:, 0, half:-half]
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True,
                trace: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

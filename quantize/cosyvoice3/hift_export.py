@@ -33,20 +33,18 @@ noise_draws_before, sine_noise_max_rows, sample_rate.
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-import onnx
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 from cosyedge.quantize.cosyvoice3.hift import CausalHiFTGenerator
 from cosyedge.quantize.cosyvoice3.hift_source import SINE_NOISE_ROWS, CausalConv1d, CausalConvRNNF0Predictor
 
 SOURCE_NAME = "hift_source"
 DECODER_NAME = "hift_decoder"
-ONNX_OPSET = 17
 
 
 class F0Float64(nn.Module):
@@ -132,19 +130,9 @@ def export_hift(module: CausalHiFTGenerator, out_dir: Path) -> dict[str, Path]:
         DECODER_NAME: (_DecoderGraph(module), (mel, source), ["mel", "source"], ["speech"],
                        {"mel": {0: "B", 2: "T"}, "source": {0: "B", 2: "TU"}, "speech": {0: "B", 1: "TU"}}),
     }
-    paths: dict[str, Path] = {}
     was_training = module.training
     module.eval()
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the legacy exporter's deprecation and tracer notices
-        for name, (graph, args, inputs, outputs, axes) in graphs.items():
-            path = out_dir / f"{name}.onnx"
-            torch.onnx.export(graph, args, str(path), dynamo=False, opset_version=ONNX_OPSET,
-                              input_names=inputs, output_names=outputs, dynamic_axes=axes,
-                              do_constant_folding=True)
-            model = onnx.load(str(path))
-            onnx.helper.set_model_props(model, hift_metadata(module))
-            onnx.save(model, str(path))
-            paths[name] = path
+    paths = {name: trace_to_onnx(graph, args, out_dir / f"{name}.onnx", inputs, outputs, axes, hift_metadata(module))
+             for name, (graph, args, inputs, outputs, axes) in graphs.items()}
     module.train(was_training)
     return paths

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from cosyedge.quantize.cosyvoice2.tokenizer import _special, build_tokenizer as build_v2_tokenizer
+from cosyedge.quantize.cosyvoice2 import tokenizer as v2
 
 ENDOFSYSTEM = "<|endofsystem|>"
 CMU_VOWELS = ("AA", "AE", "AH", "AO", "AW", "AY", "EH", "ER", "EY", "IH", "IY", "OW", "OY", "UH", "UW")
@@ -44,14 +44,9 @@ def cosyvoice3_extra_tokens() -> list[str]:
 
 def build_tokenizer(blank_en_dir: str | Path) -> Tokenizer:
     """The BlankEN BPE with the base, CosyVoice2 and CosyVoice3 special tokens (each matched whole, never split)."""
-    tokenizer = build_v2_tokenizer(blank_en_dir)
-    tokenizer.add_special_tokens([_special(content) for content in cosyvoice3_extra_tokens()])
-    return tokenizer
+    return v2.build_tokenizer(blank_en_dir, cosyvoice3_extra_tokens())
 
 
 def write_tokenizer_json(blank_en_dir: str | Path, out_path: str | Path) -> Path:
     """Write the CosyVoice3 tokenizer to `out_path` (one JSON file, loadable by `tokenizers` alone)."""
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(blank_en_dir).save(str(out))
-    return out
+    return v2.write_tokenizer_json(blank_en_dir, out_path, cosyvoice3_extra_tokens())

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import subprocess
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,6 +111,39 @@ def run_server(config: ServiceConfig, engine: Engine) -> Iterator[Server]:
         server.close()
         server.task_dispatcher.shutdown(timeout=5)
         thread.join(timeout=5)
+
+
+# A real client process: sends a streaming POST /v1/tts, reads the first audio, prints "streaming", then waits to
+# be killed (it exits with the response head when the status is not 200).
+_STREAM_CLIENT = r"""
+import socket, sys
+port, body = int(sys.argv[1]), sys.argv[2].encode()
+s = socket.create_connection(("127.0.0.1", port))
+s.sendall(b"POST /v1/tts HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+data = b""
+while b"\r\n\r\n" not in data or len(data) < 2000:
+    chunk = s.recv(65536)
+    if not chunk:
+        sys.exit("server closed early")
+    data += chunk
+    if not data.startswith(b"HTTP/1.1 200"):
+        sys.exit(data[:300].decode(errors="replace"))
+print("streaming", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextmanager
+def streaming_client(port: int, body: dict[str, Any]) -> Iterator[subprocess.Popen[str]]:
+    """The streaming client process (text pipes) for the JSON `body`; SIGKILLed and reaped on exit."""
+    client = subprocess.Popen([sys.executable, "-c", _STREAM_CLIENT, str(port), json.dumps(body)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield client
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait(timeout=10)
 
 
 def api_config(tmp: Path, **changes: Any) -> ServiceConfig:

@@ -10,9 +10,6 @@ import http.client
 import io
 import json
 import logging
-import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from apitools import api_config, run_server
+from apitools import api_config, run_server, streaming_client
 from cosyedge.api.app import create_app
 from cosyedge.api.config import ConfigError, ServiceConfig, load_config
 from cosyedge.api.openapi import PUBLIC_PATHS
@@ -208,40 +205,15 @@ def test_streams_over_the_per_client_bound_are_429_and_slots_come_back(fault_eng
         assert _wait_for(lambda: slots.open() == 0)
 
 
-CLIENT = r"""
-import socket, sys
-port, body = int(sys.argv[1]), sys.argv[2].encode()
-s = socket.create_connection(("127.0.0.1", port))
-s.sendall(b"POST /v1/tts HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-          b"Content-Length: %d\r\n\r\n" % len(body) + body)
-data = b""
-while b"\r\n\r\n" not in data or len(data) < 2000:
-    chunk = s.recv(65536)
-    if not chunk:
-        sys.exit("server closed early")
-    data += chunk
-if not data.startswith(b"HTTP/1.1 200"):
-    sys.exit(data[:300].decode(errors="replace"))
-print("streaming", flush=True)
-sys.stdin.read()
-"""
-
-
 def test_a_client_that_leaves_gives_its_stream_slot_back(default_engine, tmp_path):
     text = " ".join(f"This is sentence number {i}, spoken to nobody." for i in range(30))
     with run_server(api_config(tmp_path, max_streams_per_client=1), default_engine) as srv:
         slots = srv.app.extensions["cosyedge_guard"].streams
-        body = json.dumps({"text": text, "stream": True, "format": "pcm"})
-        client = subprocess.Popen([sys.executable, "-c", CLIENT, str(srv.port), body], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
+        with streaming_client(srv.port, {"text": text, "stream": True, "format": "pcm"}) as client:
             assert client.stdout.readline().strip() == "streaming", client.stderr.read()
             assert slots.open() == 1
             assert srv.post(TTS, {"text": "Me too.", "stream": True, "format": "pcm"})[0] == 429
             assert srv.post(TTS, {"text": "Not a stream.", "format": "pcm"})[0] == 200  # only streams are bound
-        finally:
-            client.send_signal(signal.SIGKILL)
-            client.wait(timeout=10)
         assert _wait_for(lambda: slots.open() == 0)
         assert srv.post(TTS, {"text": "My turn.", "stream": True, "format": "pcm"})[0] == 200
 

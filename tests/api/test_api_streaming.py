@@ -1,51 +1,21 @@
 """Streaming: audio leaves sentence by sentence; a client killed mid-response stops the work for it."""
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 
-from apitools import decode
+from apitools import decode, streaming_client
 
 SENTENCES = 30
 LONG_TEXT = " ".join(f"This is sentence number {i}, spoken to nobody." for i in range(SENTENCES))
-
-# A real client process: sends a streaming request, reads the first audio, says so, then waits to be killed.
-CLIENT = r"""
-import json, socket, sys
-port, body = int(sys.argv[1]), sys.argv[2].encode()
-s = socket.create_connection(("127.0.0.1", port))
-s.sendall(b"POST /v1/tts HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-          b"Content-Length: %d\r\n\r\n" % len(body) + body)
-data = b""
-while b"\r\n\r\n" not in data or len(data) < 2000:
-    chunk = s.recv(65536)
-    if not chunk:
-        sys.exit("server closed early")
-    data += chunk
-    if not data.startswith(b"HTTP/1.1 200"):
-        sys.exit(data[:300].decode(errors="replace"))
-print("streaming", flush=True)
-sys.stdin.read()
-"""
-
 
 def test_killed_stream_client_stops_its_work(server):
     disconnects = server.metric("cosyedge_stream_disconnects_total")
     skipped = server.metric("cosyedge_stream_segments_skipped_total")
     audio_before = server.metric("cosyedge_audio_seconds_total")
-    body = json.dumps({"text": LONG_TEXT, "stream": True, "format": "pcm"})
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(server.port), body],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with streaming_client(server.port, {"text": LONG_TEXT, "stream": True, "format": "pcm"}) as client:
         assert client.stdout.readline().strip() == "streaming", client.stderr.read()
-    finally:
-        client.send_signal(signal.SIGKILL)
-        client.wait(timeout=10)
     for _ in range(300):  # bounded: the server notices the closed socket within milliseconds
         if server.metric("cosyedge_stream_disconnects_total") > disconnects:
             break

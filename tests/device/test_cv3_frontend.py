@@ -21,45 +21,30 @@ from cosyedge.device.cosyvoice2 import features as F
 from cosyedge.device.cosyvoice3 import frontend as V3
 from cosyedge.device.errors import InputError
 from cosyedge.quantize.cosyvoice3.tokenizer import write_tokenizer_json
+from goldentools import Measured
 
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
-MEASURED: dict[str, float] = {}
-
-
-def _err(name: str, got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = float(np.abs(got - want).max())
-    MEASURED[name] = max(err, MEASURED.get(name, 0.0))
-    return err
+MEASURED = Measured()
+_err = MEASURED.err
 
 
 @pytest.fixture(scope="module")
-def tiny(golden_dir: Path) -> Path:
-    return golden_dir / "cosyvoice3-tiny"
-
-
-@pytest.fixture(scope="module")
-def vectors(tiny: Path) -> Path:
-    return tiny / "vectors"
-
-
-@pytest.fixture(scope="module")
-def frontend(tiny: Path, tmp_path_factory) -> V3.TextFrontend3:
-    path = write_tokenizer_json(tiny / "CosyVoice-BlankEN", tmp_path_factory.mktemp("cv3tok") / "tokenizer.json")
+def frontend(cv3_tiny_dir: Path, tmp_path_factory) -> V3.TextFrontend3:
+    path = write_tokenizer_json(cv3_tiny_dir / "CosyVoice-BlankEN",
+                                tmp_path_factory.mktemp("cv3tok") / "tokenizer.json")
     return V3.TextFrontend3(path)
 
 
 @pytest.fixture(scope="module")
-def table(vectors: Path) -> dict:
-    return json.loads((vectors / "tokenizer_v3.json").read_text(encoding="utf-8"))
+def table(cv3_vectors: Path) -> dict:
+    return json.loads((cv3_vectors / "tokenizer_v3.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
-def sessions(tiny: Path) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+def sessions(cv3_tiny_dir: Path) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return tuple(ort.InferenceSession(str(tiny / name), options, providers=["CPUExecutionProvider"])
+    return tuple(ort.InferenceSession(str(cv3_tiny_dir / name), options, providers=["CPUExecutionProvider"])
                  for name in ("campplus.onnx", "speech_tokenizer_v3.onnx"))
 
 
@@ -81,10 +66,10 @@ def test_encodings_and_instructions(frontend: V3.TextFrontend3, table: dict) -> 
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_mode_token_ids(frontend: V3.TextFrontend3, vectors: Path, case: str) -> None:
+def test_mode_token_ids(frontend: V3.TextFrontend3, cv3_vectors: Path, case: str) -> None:
     """Raw request -> segments -> ids per mode, exactly the official frontend's (e2e seg0 arrays)."""
-    meta = json.loads((vectors / "meta.json").read_text(encoding="utf-8"))["e2e"][case]
-    e = np.load(vectors / f"e2e_{case}.npz")
+    meta = json.loads((cv3_vectors / "meta.json").read_text(encoding="utf-8"))["e2e"][case]
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     mode, request = meta["case"]["mode"], meta["case"]
     prompt = request.get("prompt_text") or request.get("instruct_text") or ""
     segments = frontend.normalize(request["tts_text"], split=True)
@@ -120,15 +105,15 @@ def test_endofprompt_rule(frontend: V3.TextFrontend3) -> None:
 
 # --------------------------------------------------------------------------------------------------- silent filter
 
-def test_silent_filter_scripted(vectors: Path) -> None:
-    g = np.load(vectors / "silent_filter.npz")
+def test_silent_filter_scripted(cv3_vectors: Path) -> None:
+    g = np.load(cv3_vectors / "silent_filter.npz")
     assert V3.SILENT_TOKENS == frozenset(g["silent_tokens"].tolist())
     assert V3.filter_silent(g["llm_tokens"].tolist()) == g["flow_tokens"].tolist()
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_silent_filter_end_to_end(vectors: Path, case: str) -> None:
-    e = np.load(vectors / f"e2e_{case}.npz")
+def test_silent_filter_end_to_end(cv3_vectors: Path, case: str) -> None:
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     flow = V3.filter_silent(e["seg0_llm_tokens"].tolist())
     assert flow == e["seg0_flow_tokens"].reshape(-1).tolist()
     f = V3.SilentFilter()
@@ -144,9 +129,9 @@ def _clip(golden_dir: Path, vectors: Path, prefix: str) -> tuple[np.ndarray, int
 
 
 @pytest.mark.parametrize("prefix", ["zs", "zs2s", "xl3s"])
-def test_prompt_feature_stages(golden_dir: Path, vectors: Path, sessions, prefix: str) -> None:
-    g = np.load(vectors / "frontend.npz")
-    wav, sr = _clip(golden_dir, vectors, prefix)
+def test_prompt_feature_stages(golden_dir: Path, cv3_vectors: Path, sessions, prefix: str) -> None:
+    g = np.load(cv3_vectors / "frontend.npz")
+    wav, sr = _clip(golden_dir, cv3_vectors, prefix)
     wav_16k = F.resample(wav, sr, 16000)
     assert _err("wav_16k", wav_16k, g[f"{prefix}_wav_16k"][0]) <= 1e-5
     wav_24k = F.resample(wav, sr, 24000)
@@ -171,9 +156,9 @@ def _mel_close(got: np.ndarray, want: np.ndarray, source_rate: int) -> None:
 
 
 @pytest.mark.parametrize("prefix", ["zs", "zs2s", "xl3s"])
-def test_prompt_features_end_to_end(golden_dir: Path, vectors: Path, sessions, prefix: str) -> None:
-    g = np.load(vectors / "frontend.npz")
-    wav, sr = _clip(golden_dir, vectors, prefix)
+def test_prompt_features_end_to_end(golden_dir: Path, cv3_vectors: Path, sessions, prefix: str) -> None:
+    g = np.load(cv3_vectors / "frontend.npz")
+    wav, sr = _clip(golden_dir, cv3_vectors, prefix)
     p = V3.prompt_features(wav, sr, *sessions)
     np.testing.assert_array_equal(p.tokens, g[f"{prefix}_speech_token_aligned"].reshape(-1))
     _mel_close(p.mel, g[f"{prefix}_speech_feat_aligned"][0], sr)
@@ -181,14 +166,14 @@ def test_prompt_features_end_to_end(golden_dir: Path, vectors: Path, sessions, p
 
 
 @pytest.mark.parametrize("speaker, prefix", [("zs_full", "zs"), ("zs_2s", "zs2s")])
-def test_saved_speaker_entries(frontend: V3.TextFrontend3, golden_dir: Path, vectors: Path, sessions, speaker: str,
-                               prefix: str) -> None:
+def test_saved_speaker_entries(frontend: V3.TextFrontend3, golden_dir: Path, cv3_vectors: Path, sessions,
+                               speaker: str, prefix: str) -> None:
     """The official add_zero_shot_spk entries (spk2info.pt) from our frontend: prompt text ids, tokens, mel, emb."""
-    g = np.load(vectors / "frontend.npz")
+    g = np.load(cv3_vectors / "frontend.npz")
     text = {"zs_full": "希望你以后能够做的比我还好呦。", "zs_2s": "希望你以后能够"}[speaker]
     ids = V3.prompt_text_ids(frontend, "zero_shot", f"{V3.SYSTEM_PROMPT}{V3.ENDOFPROMPT}{text}")
     np.testing.assert_array_equal(ids, g[f"spk2info_{speaker}__prompt_text"].reshape(-1))
-    wav, sr = _clip(golden_dir, vectors, prefix)
+    wav, sr = _clip(golden_dir, cv3_vectors, prefix)
     p = V3.prompt_features(wav, sr, *sessions)
     np.testing.assert_array_equal(p.tokens, g[f"spk2info_{speaker}__llm_prompt_speech_token"].reshape(-1))
     _mel_close(p.mel, g[f"spk2info_{speaker}__prompt_speech_feat"][0], sr)

@@ -1,4 +1,4 @@
-"""Fixtures of the build-host tests: torch on one thread (the machine is shared), the tiny official release."""
+"""Fixtures of the build-host tests: torch on one thread (the machine is shared), the tiny official releases."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cosyedge.quantize.cosyvoice2.release import Release
+from cosyedge.quantize.cosyvoice3.release import Release3, open_release
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -21,3 +22,9 @@ def _one_thread():
 def release(golden_dir: Path) -> Release:
     """The tiny random-weight CosyVoice2 release in the official on-disk layout."""
     return Release.open(golden_dir / "cosyvoice2-tiny")
+
+
+@pytest.fixture(scope="module")
+def cv3_release(cv3_tiny_dir: Path) -> Release3:
+    """The tiny random-weight Fun-CosyVoice3 release, opened once per module."""
+    return open_release(cv3_tiny_dir)

@@ -20,6 +20,7 @@ from cosyedge.quantize.cosyvoice3 import export as E
 from cosyedge.quantize.cosyvoice3 import hift_export as HX
 from cosyedge.quantize.cosyvoice3.llm import greedy_choice
 from cosyedge.quantize.cosyvoice3.models import Models, load_models
+from goldentools import Measured
 
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
 ONNX_ATOL = 1e-4
@@ -27,15 +28,8 @@ MEL_ATOL = 1e-4
 F0_ATOL = 1e-6
 SOURCE_ATOL = 5e-4
 WAVE_ATOL = 2e-4
-MEASURED: dict[str, float] = {}
-
-
-def _err(name: str, got, want) -> float:
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max()) if got.size else 0.0
-    MEASURED[name] = max(err, MEASURED.get(name, 0.0))
-    return err
+MEASURED = Measured()
+_err = MEASURED.err
 
 
 def _flag(on: bool) -> np.ndarray:
@@ -43,13 +37,8 @@ def _flag(on: bool) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def vectors(golden_dir: Path) -> Path:
-    return golden_dir / "cosyvoice3-tiny" / "vectors"
-
-
-@pytest.fixture(scope="module")
-def models(golden_dir: Path) -> Models:
-    return load_models(golden_dir / "cosyvoice3-tiny")
+def models(cv3_tiny_dir: Path) -> Models:
+    return load_models(cv3_tiny_dir)
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +86,9 @@ def test_signatures_and_metadata(s: dict[str, ort.InferenceSession], models: Mod
 
 @pytest.mark.parametrize("case", ["zero_shot_1", "cross_lingual_1", "instruct2_1"])
 @torch.no_grad()
-def test_llm_graphs_match_torch_and_teacher_forcing(models: Models, s, vectors: Path, case: str) -> None:
+def test_llm_graphs_match_torch_and_teacher_forcing(models: Models, s, cv3_vectors: Path, case: str) -> None:
     """Prefill + 24 decode steps over the recorded tokens: logits and caches vs torch, log-probs vs tf_logp."""
-    lm, g = models.llm, np.load(vectors / "llm.npz")
+    lm, g = models.llm, np.load(cv3_vectors / "llm.npz")
     lm_input = g[f"{case}_lm_input"]
     out = s["llm_prefill"].run(None, {"inputs_embeds": lm_input, "attention_mask": np.ones(lm_input.shape[:2],
                                                                                              np.int64)})
@@ -120,9 +109,9 @@ def test_llm_graphs_match_torch_and_teacher_forcing(models: Models, s, vectors: 
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_llm_graphs_greedy_decode_exact(models: Models, s, vectors: Path, case: str) -> None:
+def test_llm_graphs_greedy_decode_exact(models: Models, s, cv3_vectors: Path, case: str) -> None:
     """The runtime's loop: numpy gathers from the exported tables + the two graphs reproduce the golden tokens."""
-    e = np.load(vectors / f"e2e_{case}.npz")
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     c, t = models.llm.config, E.embedding_tables(models.llm)
     prompt_text, text = e["seg0_prompt_text_token"].reshape(-1), e["seg0_text_token"].reshape(-1)
     speech = e["seg0_llm_prompt_speech_token"].reshape(-1)
@@ -176,8 +165,8 @@ def _euler(estimator: ort.InferenceSession, mu, spks, cond, noise, cfg_rate: flo
 
 
 @pytest.mark.parametrize("mode", ["full", "stream"])
-def test_estimator_graph_single_calls(s, vectors: Path, mode: str) -> None:
-    g = np.load(vectors / "flow.npz")
+def test_estimator_graph_single_calls(s, cv3_vectors: Path, mode: str) -> None:
+    g = np.load(cv3_vectors / "flow.npz")
     for call in ("est0", "est5"):
         feeds = {"x": g[f"{mode}_{call}_x"], "mask": g[f"{mode}_est0_mask"], "mu": g[f"{mode}_est0_mu"],
                  "t": g[f"{mode}_{call}_t"], "spks": g[f"{mode}_est0_spks"], "cond": g[f"{mode}_est0_cond"],
@@ -186,8 +175,8 @@ def test_estimator_graph_single_calls(s, vectors: Path, mode: str) -> None:
         assert _err(f"estimator_{mode}", out, g[f"{mode}_{call}_out"]) <= MEL_ATOL
 
 
-def test_estimator_graph_streaming_chunk_runs(s, vectors: Path) -> None:
-    st = np.load(vectors / "streaming.npz")
+def test_estimator_graph_streaming_chunk_runs(s, cv3_vectors: Path) -> None:
+    st = np.load(cv3_vectors / "streaming.npz")
     for run in ("scripted", "instruct2_3"):
         feeds = {n: st[f"{run}_chunk0_est0_{n}"] for n in ("x", "mask", "mu", "t", "spks", "cond")}
         (out,) = s["flow_estimator"].run(None, feeds | {"streaming": _flag(True)})
@@ -195,8 +184,8 @@ def test_estimator_graph_streaming_chunk_runs(s, vectors: Path) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_flow_graphs_reproduce_mel(models: Models, s, vectors: Path, case: str) -> None:
-    e = np.load(vectors / f"e2e_{case}.npz")
+def test_flow_graphs_reproduce_mel(models: Models, s, cv3_vectors: Path, case: str) -> None:
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     c = models.flow.config
     prompt = e["seg0_flow_prompt_speech_token"]
     token = _encoder_token(prompt, e["seg0_flow_tokens"], c.pre_lookahead_len)
@@ -211,9 +200,9 @@ def test_flow_graphs_reproduce_mel(models: Models, s, vectors: Path, case: str) 
     assert _err("flow_mel", mel[:, :, prompt_feat.shape[1]:], e["seg0_mel"]) <= MEL_ATOL
 
 
-def test_flow_graphs_streaming_chunk(models: Models, s, vectors: Path) -> None:
+def test_flow_graphs_streaming_chunk(models: Models, s, cv3_vectors: Path) -> None:
     """A non-final streaming chunk (finalize 0: real look-ahead tokens; chunk-causal DiT) vs the golden chunk mel."""
-    st = np.load(vectors / "streaming.npz")
+    st = np.load(cv3_vectors / "streaming.npz")
     c = models.flow.config
     prompt, tokens = st["scripted_flow_prompt_speech_token"], st["scripted_flow_tokens"].reshape(-1)
     want = st["scripted_chunk0_flow_mel"]                      # (1, 80, 2 * (n - 3)) over n tokens so far
@@ -253,8 +242,8 @@ def _hift_streaming(models: Models, s, mel: np.ndarray) -> tuple[np.ndarray, np.
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_hift_graphs_end_to_end(models: Models, s, vectors: Path, case: str) -> None:
-    e = np.load(vectors / f"e2e_{case}.npz")
+def test_hift_graphs_end_to_end(models: Models, s, cv3_vectors: Path, case: str) -> None:
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     speech, source, f0 = _hift(models, s, e["seg0_mel"])
     assert _err("hift_f0_f64", f0, e["seg0_hift_f0_f64"]) <= F0_ATOL
     assert _err("hift_source", source, e["seg0_hift_source"]) <= SOURCE_ATOL
@@ -266,8 +255,8 @@ def test_hift_graphs_end_to_end(models: Models, s, vectors: Path, case: str) -> 
 
 
 @pytest.mark.parametrize("finalize", [True, False])
-def test_hift_graphs_finalize_trimming(models: Models, s, vectors: Path, finalize: bool) -> None:
-    g = np.load(vectors / "hift.npz")
+def test_hift_graphs_finalize_trimming(models: Models, s, cv3_vectors: Path, finalize: bool) -> None:
+    g = np.load(cv3_vectors / "hift.npz")
     tag = "fin1" if finalize else "fin0"
     speech, source, f0 = (_hift if finalize else _hift_streaming)(models, s, g["prompt_mel"])
     assert _err("hift_f0_f64", f0, g[f"prompt_mel_{tag}_f0_f64"]) <= F0_ATOL
@@ -276,9 +265,9 @@ def test_hift_graphs_finalize_trimming(models: Models, s, vectors: Path, finaliz
 
 
 @pytest.mark.parametrize("run", ["scripted", "instruct2_3"])
-def test_hift_graphs_streaming_emitted_audio(models: Models, s, vectors: Path, run: str) -> None:
+def test_hift_graphs_streaming_emitted_audio(models: Models, s, cv3_vectors: Path, run: str) -> None:
     """HiFT re-run on the accumulated mel each chunk, only new samples emitted (official CosyVoice3 token2wav)."""
-    st = np.load(vectors / "streaming.npz")
+    st = np.load(cv3_vectors / "streaming.npz")
     final_mel = st[f"{run}_final_hift_mel"]
     chunks = sorted({int(k.split("_chunk")[1].split("_")[0]) for k in st.files if "_chunk" in k and
                      k.startswith(run + "_chunk") and k.endswith("_tts_speech")})

@@ -17,30 +17,19 @@ from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2.flow import cosine_t_span
 from cosyedge.quantize.cosyvoice3.flow import (CausalMaskedDiffWithDiT, Flow3Config, build_flow, build_flow_random,
                                                fixed_noise, prompt_condition)
-from cosyedge.quantize.cosyvoice3.release import open_release
+from cosyedge.quantize.cosyvoice3.release import Release3, open_release
+from goldentools import Measured
 
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
 H_ATOL = 1e-5
 MEL_ATOL = 1e-4
-MEASURED: dict[str, float] = {}
-
-
-def _err(name: str, got, want) -> float:
-    got = got.detach().numpy() if isinstance(got, torch.Tensor) else np.asarray(got)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = float(np.abs(got - want).max())
-    MEASURED[name] = max(err, MEASURED.get(name, 0.0))
-    return err
+MEASURED = Measured()
+_err = MEASURED.err
 
 
 @pytest.fixture(scope="module")
-def vectors(golden_dir: Path) -> Path:
-    return golden_dir / "cosyvoice3-tiny" / "vectors"
-
-
-@pytest.fixture(scope="module")
-def flow(golden_dir: Path) -> CausalMaskedDiffWithDiT:
-    return build_flow(open_release(golden_dir / "cosyvoice3-tiny"))
+def flow(cv3_release: Release3) -> CausalMaskedDiffWithDiT:
+    return build_flow(cv3_release)
 
 
 @pytest.fixture(scope="module")
@@ -48,29 +37,29 @@ def noise() -> torch.Tensor:
     return torch.from_numpy(fixed_noise())
 
 
-def test_sizes_from_yaml(golden_dir: Path) -> None:
-    c = Flow3Config.from_hparams(open_release(golden_dir / "cosyvoice3-tiny").hparams)
+def test_sizes_from_yaml(cv3_tiny_dir: Path) -> None:
+    c = Flow3Config.from_hparams(open_release(cv3_tiny_dir).hparams)
     assert (c.pre_lookahead_channels, c.estimator.dim, c.estimator.depth, c.estimator.heads) == (32, 64, 2, 4)
     assert (c.token_mel_ratio, c.pre_lookahead_len, c.estimator.static_chunk_size) == (2, 3, 50)
 
 
-def test_noise_and_schedule(vectors: Path, noise: torch.Tensor) -> None:
-    n = np.load(vectors / "noise.npz")["cfm_rand_noise"]
+def test_noise_and_schedule(cv3_vectors: Path, noise: torch.Tensor) -> None:
+    n = np.load(cv3_vectors / "noise.npz")["cfm_rand_noise"]
     np.testing.assert_array_equal(noise[:, :, :n.shape[2]].numpy(), n)
-    np.testing.assert_allclose(cosine_t_span().numpy(), np.load(vectors / "flow.npz")["t_span"], atol=1e-7, rtol=0)
+    np.testing.assert_allclose(cosine_t_span().numpy(), np.load(cv3_vectors / "flow.npz")["t_span"], atol=1e-7, rtol=0)
 
 
-def test_rope(flow: CausalMaskedDiffWithDiT, vectors: Path) -> None:
-    g = np.load(vectors / "flow.npz")
+def test_rope(flow: CausalMaskedDiffWithDiT, cv3_vectors: Path) -> None:
+    g = np.load(cv3_vectors / "flow.npz")
     rope = flow.decoder.estimator.rotary_embed
     np.testing.assert_array_equal(rope.inv_freq.numpy(), g["rope_inv_freq"])
     assert _err("rope_freqs", rope(248)[None], g["full_est_rope_freqs"]) <= 1e-6
 
 
 @pytest.mark.parametrize("mode", ["full", "stream"])
-def test_single_estimator_calls(flow: CausalMaskedDiffWithDiT, vectors: Path, mode: str) -> None:
+def test_single_estimator_calls(flow: CausalMaskedDiffWithDiT, cv3_vectors: Path, mode: str) -> None:
     """est0 / est5 / est9 of the Euler loop, with the full or the chunk-causal mask; est5 internals."""
-    g = np.load(vectors / "flow.npz")
+    g = np.load(cv3_vectors / "flow.npz")
     est = flow.decoder.estimator
     streaming = torch.tensor([int(mode == "stream")])
     base = {k: torch.as_tensor(g[f"{mode}_est0_{k}"]) for k in ("mask", "mu", "spks", "cond")}
@@ -98,8 +87,8 @@ def test_single_estimator_calls(flow: CausalMaskedDiffWithDiT, vectors: Path, mo
             assert _err("est5_norm_out", est.norm_out(h, temb), g["full_est5_norm_out"]) <= MEL_ATOL
 
 
-def test_stream_mask_is_chunk_causal(vectors: Path) -> None:
-    g = np.load(vectors / "flow.npz")
+def test_stream_mask_is_chunk_causal(cv3_vectors: Path) -> None:
+    g = np.load(cv3_vectors / "flow.npz")
     mask = g["stream_est_attn_mask"]
     size = mask.shape[-1]
     i, j = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
@@ -107,10 +96,10 @@ def test_stream_mask_is_chunk_causal(vectors: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["full", "stream"])
-def test_full_solve(flow: CausalMaskedDiffWithDiT, vectors: Path, noise: torch.Tensor, mode: str) -> None:
+def test_full_solve(flow: CausalMaskedDiffWithDiT, cv3_vectors: Path, noise: torch.Tensor, mode: str) -> None:
     """zero_shot_1 inputs: tokens -> embedding -> h -> mu, spks, cond -> Euler trajectory -> mel."""
-    g = np.load(vectors / "flow.npz")
-    e = np.load(vectors / "e2e_zero_shot_1.npz")
+    g = np.load(cv3_vectors / "flow.npz")
+    e = np.load(cv3_vectors / "e2e_zero_shot_1.npz")
     streaming = torch.tensor([int(mode == "stream")])
     token = torch.cat([torch.as_tensor(e["seg0_flow_prompt_speech_token"]), torch.as_tensor(e["seg0_flow_tokens"]),
                        torch.zeros(1, 3, dtype=torch.int32)], dim=1).long()
@@ -133,8 +122,8 @@ def test_full_solve(flow: CausalMaskedDiffWithDiT, vectors: Path, noise: torch.T
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_e2e_flow(flow: CausalMaskedDiffWithDiT, vectors: Path, noise: torch.Tensor, case: str) -> None:
-    e = np.load(vectors / f"e2e_{case}.npz")
+def test_e2e_flow(flow: CausalMaskedDiffWithDiT, cv3_vectors: Path, noise: torch.Tensor, case: str) -> None:
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     args = [torch.as_tensor(e[k]) for k in ("seg0_flow_tokens", "seg0_flow_prompt_speech_token",
                                             "seg0_prompt_speech_feat", "seg0_flow_embedding")]
     with torch.no_grad():
@@ -146,11 +135,11 @@ def test_e2e_flow(flow: CausalMaskedDiffWithDiT, vectors: Path, noise: torch.Ten
 
 
 @pytest.mark.parametrize("run", ["scripted", "instruct2_3"])
-def test_streaming_chunks(flow: CausalMaskedDiffWithDiT, vectors: Path, noise: torch.Tensor, run: str) -> None:
+def test_streaming_chunks(flow: CausalMaskedDiffWithDiT, cv3_vectors: Path, noise: torch.Tensor, run: str) -> None:
     """Each chunk re-runs the flow on tokens[:n] (streaming chunk-causal mask, finalize False: the last 3 tokens
     are look-ahead only); the last chunk runs with finalize True and streaming False, as the official loop does."""
-    s = np.load(vectors / "streaming.npz")
-    chunks = json.loads((vectors / "meta.json").read_text())["files"]["streaming.npz"][run]["chunks"]
+    s = np.load(cv3_vectors / "streaming.npz")
+    chunks = json.loads((cv3_vectors / "meta.json").read_text())["files"]["streaming.npz"][run]["chunks"]
     tokens = torch.as_tensor(s[f"{run}_flow_tokens"])
     prompt = [torch.as_tensor(s[f"{run}_{k}"]) for k in ("flow_prompt_speech_token", "prompt_speech_feat",
                                                          "flow_embedding")]
@@ -170,8 +159,8 @@ def test_streaming_chunks(flow: CausalMaskedDiffWithDiT, vectors: Path, noise: t
             assert _err("scripted_nonstream_mel", full, s["scripted_nonstream_mel"]) <= MEL_ATOL
 
 
-def test_strict_load_names_key(golden_dir: Path) -> None:
-    release = open_release(golden_dir / "cosyvoice3-tiny")
+def test_strict_load_names_key(cv3_tiny_dir: Path) -> None:
+    release = open_release(cv3_tiny_dir)
     module = build_flow_random(release.hparams)
     state = release.checkpoint("flow.pt")
     state.pop("decoder.estimator.rotary_embed.inv_freq")

@@ -15,40 +15,29 @@ import torch
 
 from cosyedge.quantize.cosyvoice3.hift import CausalHiFTGenerator, HiFT3Config, build_hift
 from cosyedge.quantize.cosyvoice3.hift_source import NoiseSizes, fixed_sine_noise
-from cosyedge.quantize.cosyvoice3.release import open_release
+from cosyedge.quantize.cosyvoice3.release import Release3, open_release
+from goldentools import Measured
 
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
 F0_ATOL = 1e-6
 SOURCE_ATOL = 5e-4
 WAVE_ATOL = 2e-4
-MEASURED: dict[str, float] = {}
-
-
-def _err(name: str, got, want) -> float:
-    got = got.detach().numpy() if isinstance(got, torch.Tensor) else np.asarray(got)
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = float(np.abs(got.astype(np.float64) - want).max())
-    MEASURED[name] = max(err, MEASURED.get(name, 0.0))
-    return err
+MEASURED = Measured()
+_err = MEASURED.err
 
 
 @pytest.fixture(scope="module")
-def vectors(golden_dir: Path) -> Path:
-    return golden_dir / "cosyvoice3-tiny" / "vectors"
+def hift(cv3_release: Release3) -> CausalHiFTGenerator:
+    return build_hift(cv3_release)
 
 
-@pytest.fixture(scope="module")
-def hift(golden_dir: Path) -> CausalHiFTGenerator:
-    return build_hift(open_release(golden_dir / "cosyvoice3-tiny"))
-
-
-def test_config_from_yaml(golden_dir: Path) -> None:
-    cfg = HiFT3Config.from_release_hparams(open_release(golden_dir / "cosyvoice3-tiny").hparams)
+def test_config_from_yaml(cv3_tiny_dir: Path) -> None:
+    cfg = HiFT3Config.from_release_hparams(open_release(cv3_tiny_dir).hparams)
     assert (cfg.base_channels, cfg.f0_cond_channels, cfg.conv_pre_look_right, cfg.samples_per_frame) == (32, 32, 4, 480)
 
 
-def test_fixed_noise_tiny(hift: CausalHiFTGenerator, vectors: Path) -> None:
-    n = np.load(vectors / "noise.npz")
+def test_fixed_noise_tiny(hift: CausalHiFTGenerator, cv3_vectors: Path) -> None:
+    n = np.load(cv3_vectors / "noise.npz")
     assert hift.noise_sizes.draws_before() == 1_763_041
     ini, waves = hift.fixed_noise(n["hift_sine_waves"].shape[0])
     np.testing.assert_array_equal(ini.numpy(), n["hift_rand_ini"][0])
@@ -67,8 +56,8 @@ def test_fixed_noise_real_model_sizes() -> None:
                                           0.922855, 0.73102], atol=1e-6)
 
 
-def test_short_internals(hift: CausalHiFTGenerator, vectors: Path) -> None:
-    g = np.load(vectors / "hift.npz")
+def test_short_internals(hift: CausalHiFTGenerator, cv3_vectors: Path) -> None:
+    g = np.load(cv3_vectors / "hift.npz")
     mel = torch.as_tensor(g["short_mel"])
     with torch.no_grad():
         f0 = hift.f0(mel)
@@ -91,9 +80,9 @@ def test_short_internals(hift: CausalHiFTGenerator, vectors: Path) -> None:
 
 
 @pytest.mark.parametrize("finalize", [True, False])
-def test_prompt_mel_finalize(hift: CausalHiFTGenerator, vectors: Path, finalize: bool) -> None:
+def test_prompt_mel_finalize(hift: CausalHiFTGenerator, cv3_vectors: Path, finalize: bool) -> None:
     """174 frames: finalize -> 480 T samples; not -> f0 T-3 frames, speech 480 (T-8), a prefix of the final one."""
-    g = np.load(vectors / "hift.npz")
+    g = np.load(cv3_vectors / "hift.npz")
     mel = torch.as_tensor(g["prompt_mel"])
     speech, source, f0 = hift.inference(mel, finalize)
     tag = f"prompt_mel_fin{int(finalize)}"
@@ -108,8 +97,8 @@ def test_prompt_mel_finalize(hift: CausalHiFTGenerator, vectors: Path, finalize:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_e2e_hift(hift: CausalHiFTGenerator, vectors: Path, case: str) -> None:
-    e = np.load(vectors / f"e2e_{case}.npz")
+def test_e2e_hift(hift: CausalHiFTGenerator, cv3_vectors: Path, case: str) -> None:
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     speech, source, f0 = hift.inference(torch.as_tensor(e["seg0_mel"]), True)
     assert _err("f0", f0, e["seg0_hift_f0_f64"]) <= F0_ATOL
     assert _err("source", source, e["seg0_hift_source"]) <= SOURCE_ATOL
@@ -117,11 +106,11 @@ def test_e2e_hift(hift: CausalHiFTGenerator, vectors: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("run", ["scripted", "instruct2_3"])
-def test_streaming_emission(hift: CausalHiFTGenerator, vectors: Path, run: str) -> None:
+def test_streaming_emission(hift: CausalHiFTGenerator, cv3_vectors: Path, run: str) -> None:
     """HiFT re-run on the whole accumulated mel each chunk (finalize False until the last), only samples after
     the previous offset emitted; the official flow mels of each chunk are the input."""
-    s = np.load(vectors / "streaming.npz")
-    chunks = json.loads((vectors / "meta.json").read_text())["files"]["streaming.npz"][run]["chunks"]
+    s = np.load(cv3_vectors / "streaming.npz")
+    chunks = json.loads((cv3_vectors / "meta.json").read_text())["files"]["streaming.npz"][run]["chunks"]
     parts, offset = [], 0
     for i, chunk in enumerate(chunks):
         parts.append(s[f"{run}_chunk{i}_flow_mel"][:, :, 2 * chunk["token_offset"]:])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cosyedge.quantize.cosyvoice3.llm import CosyVoice3LM, build_llm, greedy_choice
-from cosyedge.quantize.cosyvoice3.release import open_release
+from cosyedge.quantize.cosyvoice3.release import Release3
 
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
 LOGP_ATOL = 1e-4
@@ -20,13 +20,8 @@ MEASURED: dict[str, float] = {}
 
 
 @pytest.fixture(scope="module")
-def vectors(golden_dir: Path) -> Path:
-    return golden_dir / "cosyvoice3-tiny" / "vectors"
-
-
-@pytest.fixture(scope="module")
-def llm(golden_dir: Path) -> CosyVoice3LM:
-    return build_llm(open_release(golden_dir / "cosyvoice3-tiny"))
+def llm(cv3_release: Release3) -> CosyVoice3LM:
+    return build_llm(cv3_release)
 
 
 def _lm_input(llm: CosyVoice3LM, e) -> torch.Tensor:
@@ -42,8 +37,8 @@ def test_special_ids(llm: CosyVoice3LM) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_lm_input_exact(llm: CosyVoice3LM, vectors: Path, case: str) -> None:
-    e = np.load(vectors / f"e2e_{case}.npz")
+def test_lm_input_exact(llm: CosyVoice3LM, cv3_vectors: Path, case: str) -> None:
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     with torch.no_grad():
         got = _lm_input(llm, e).numpy()
     np.testing.assert_array_equal(got, e["seg0_lm_input"])
@@ -51,10 +46,10 @@ def test_lm_input_exact(llm: CosyVoice3LM, vectors: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_greedy_decode(llm: CosyVoice3LM, vectors: Path, case: str) -> None:
+def test_greedy_decode(llm: CosyVoice3LM, cv3_vectors: Path, case: str) -> None:
     """KV-cached greedy decoding: tokens and stop id exact; the first 4 raw log-prob rows and the per-step top-8
     (after the min_len mask) within 1e-4."""
-    e = np.load(vectors / f"e2e_{case}.npz")
+    e = np.load(cv3_vectors / f"e2e_{case}.npz")
     c = llm.config
     with torch.no_grad():
         lm_input = _lm_input(llm, e)
@@ -85,9 +80,9 @@ def test_greedy_decode(llm: CosyVoice3LM, vectors: Path, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["zero_shot_1", "cross_lingual_1", "instruct2_1"])
-def test_teacher_forced(llm: CosyVoice3LM, vectors: Path, case: str) -> None:
+def test_teacher_forced(llm: CosyVoice3LM, cv3_vectors: Path, case: str) -> None:
     """Parallel teacher forcing over lm_input ++ recorded tokens, and the same through the KV cache, vs tf_logp."""
-    g = np.load(vectors / "llm.npz")
+    g = np.load(cv3_vectors / "llm.npz")
     recorded = torch.as_tensor(g["recorded_tokens"])
     lm_input = torch.as_tensor(g[f"{case}_lm_input"])
     with torch.no_grad():
@@ -105,9 +100,9 @@ def test_teacher_forced(llm: CosyVoice3LM, vectors: Path, case: str) -> None:
                                atol=LOGP_ATOL)
 
 
-def test_teacher_forced_parallel_hidden(llm: CosyVoice3LM, vectors: Path) -> None:
+def test_teacher_forced_parallel_hidden(llm: CosyVoice3LM, cv3_vectors: Path) -> None:
     """One causal pass over the whole sequence (no cache): hidden states after the final norm vs tf_hidden."""
-    g = np.load(vectors / "llm.npz")
+    g = np.load(cv3_vectors / "llm.npz")
     lm_input = torch.as_tensor(g["zero_shot_1_lm_input"])
     seq = torch.cat([lm_input, llm.speech_embedding(torch.as_tensor(g["recorded_tokens"]))[None]], dim=1)
     body = llm.body
@@ -126,9 +121,9 @@ def test_teacher_forced_parallel_hidden(llm: CosyVoice3LM, vectors: Path) -> Non
     assert err <= LOGP_ATOL, err
 
 
-def test_max_len_run(llm: CosyVoice3LM, vectors: Path) -> None:
-    g = np.load(vectors / "llm.npz")
-    e = np.load(vectors / "e2e_zero_shot_3.npz")
+def test_max_len_run(llm: CosyVoice3LM, cv3_vectors: Path) -> None:
+    g = np.load(cv3_vectors / "llm.npz")
+    e = np.load(cv3_vectors / "e2e_zero_shot_3.npz")
     text = g["maxlen_text_token"]
     with torch.no_grad():
         lm_input = llm.lm_input(text, e["seg0_prompt_text_token"], e["seg0_llm_prompt_speech_token"])
@@ -137,8 +132,8 @@ def test_max_len_run(llm: CosyVoice3LM, vectors: Path) -> None:
     assert result.tokens == g["maxlen_tokens"].tolist() and result.stop_token == -1
 
 
-def test_min_len_quirk(llm: CosyVoice3LM, vectors: Path) -> None:
-    g = np.load(vectors / "llm.npz")
+def test_min_len_quirk(llm: CosyVoice3LM, cv3_vectors: Path) -> None:
+    g = np.load(cv3_vectors / "llm.npz")
     got = [greedy_choice(g[k], 0, 25, llm.config) for k in ("quirk_scores_a", "quirk_scores_b")]
     assert got == g["quirk_greedy_ignore_eos_true"].tolist() == [6562, 6562]
 
