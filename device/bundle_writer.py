@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 
-from cosyedge.device.bundle import MANIFEST, Asset, Component, Manifest, TensorSpec, sha256_file
+from cosyedge.device.bundle import MANIFEST, Asset, Bundle, Component, Manifest, TensorSpec, sha256_file
 from cosyedge.device.errors import BundleError
 
 TOOL_VERSION = "cosyedge-quantize 0.1.0"
@@ -98,8 +98,19 @@ class BundleWriter:
         (self.work / MANIFEST).write_text(manifest.to_json(), encoding="utf-8")
         return manifest
 
+    def __enter__(self) -> "BundleWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        """Any failure before `commit()` (an export error, Ctrl-C) removes the work directory."""
+        if exc_type is not None:
+            self.abort()
+        return False
+
     def commit(self) -> Path:
-        """Move the finished bundle to `out`; an old cosyedge bundle there is swapped out, then its files removed."""
+        """Validate the bundle with the runtime's own loader (hashes included), then move it to `out`; an old
+        cosyedge bundle there is swapped out, then its files removed."""
+        Bundle.load(self.work)  # what the runtime would refuse never reaches `out`
         check_out_dir(self.out)  # again: the directory may have changed during a long build
         self.work.chmod(0o755)  # mkdtemp made it private
         if self.out.is_dir() and not any(self.out.iterdir()):

@@ -52,32 +52,30 @@ def default_engine(default_bundle_path: Path):
     return Engine.load(default_bundle_path, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
 
 
-@pytest.fixture(scope="session")
-def cv2_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny official-layout CosyVoice2 release as an fp32 bundle, built once per test run."""
-    import torch
+def _tiny_bundle(family: str, golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny official-layout release (`<family>-tiny`) as an fp32 bundle, exported with torch on one thread."""
+    import importlib
 
-    from cosyedge.quantize.cosyvoice2.bundle import write_bundle
+    import torch
+    write_bundle = importlib.import_module(f"cosyedge.quantize.{family}.bundle").write_bundle
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return write_bundle(golden_dir / "cosyvoice2-tiny", tmp_path_factory.mktemp("cv2") / "tiny")
+        return write_bundle(golden_dir / f"{family}-tiny", tmp_path_factory.mktemp(family) / "tiny")
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def cv2_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny official-layout CosyVoice2 release as an fp32 bundle, built once per test run."""
+    return _tiny_bundle("cosyvoice2", golden_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def cv3_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny official-layout Fun-CosyVoice3 release as an fp32 bundle, built once per test run."""
-    import torch
-
-    from cosyedge.quantize.cosyvoice3.bundle import write_bundle
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return write_bundle(golden_dir / "cosyvoice3-tiny", tmp_path_factory.mktemp("cv3") / "tiny")
-    finally:
-        torch.set_num_threads(threads)
+    return _tiny_bundle("cosyvoice3", golden_dir, tmp_path_factory)
 
 
 _BLOCK_TORCH = '''

@@ -89,34 +89,34 @@ def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: 
     if voice.get("phoneme_type", "espeak") != "espeak":
         raise ReleaseError(f"{config_path.name}: phoneme_type {voice.get('phoneme_type')!r} is not supported (espeak only)")
 
-    writer = BundleWriter(out)
-    work = writer.work
-    started = time.perf_counter()
-    model = _write_fp32(model_path, work / "vits.fp32.onnx")
-    _write_int8(work / "vits.fp32.onnx", model, work / "vits.int8.onnx")
-    (work / "phoneme_id_map.json").write_text(json.dumps(voice["phoneme_id_map"], ensure_ascii=False), encoding="utf-8")
-    for precision in ("fp32", "int8"):
-        writer.add_component("vits", precision, f"vits.{precision}.onnx")
-    writer.add_asset("phoneme_id_map", "phoneme_id_map.json")
-    speakers = sorted(voice.get("speaker_id_map", {}), key=voice.get("speaker_id_map", {}).get) or [voice.get("dataset", "default")]
-    inference = voice.get("inference", {})
-    fields = dict(
-        family="vits", name=f"piper-{voice.get('language', {}).get('code', 'xx')}-{voice.get('dataset', model_path.stem)}",
-        sample_rate=sample_rate, voices=tuple(speakers), default_precision="fp32",
-        config={"espeak_voice": espeak_voice, "noise_scale": inference.get("noise_scale", 0.667),
-                "length_scale": inference.get("length_scale", 1.0), "noise_w": inference.get("noise_w", 0.8),
-                "hop_length": 256},
-        provenance={"source_model": model_path.name, "source_model_sha256": sha256_file(model_path),
-                    "source_config": config_path.name, "source_config_sha256": sha256_file(config_path),
-                    "tool_version": TOOL_VERSION, "created": created_now(),
-                    "int8_method": "onnxruntime dynamic int8, per-channel weights (MatMul, Conv) in the flow; "
-                                   "text encoder, duration predictor and decoder fp32"},
-    )
-    writer.write_manifest(**fields)
-    if measure:
-        writer.write_manifest(**(fields | _measure(work, similarity)))
-    log.info("built %s in %.1f s", out.name, time.perf_counter() - started)
-    return writer.commit()
+    with BundleWriter(out) as writer:
+        work = writer.work
+        started = time.perf_counter()
+        model = _write_fp32(model_path, work / "vits.fp32.onnx")
+        _write_int8(work / "vits.fp32.onnx", model, work / "vits.int8.onnx")
+        (work / "phoneme_id_map.json").write_text(json.dumps(voice["phoneme_id_map"], ensure_ascii=False), encoding="utf-8")
+        for precision in ("fp32", "int8"):
+            writer.add_component("vits", precision, f"vits.{precision}.onnx")
+        writer.add_asset("phoneme_id_map", "phoneme_id_map.json")
+        speakers = sorted(voice.get("speaker_id_map", {}), key=voice.get("speaker_id_map", {}).get) or [voice.get("dataset", "default")]
+        inference = voice.get("inference", {})
+        fields = dict(
+            family="vits", name=f"piper-{voice.get('language', {}).get('code', 'xx')}-{voice.get('dataset', model_path.stem)}",
+            sample_rate=sample_rate, voices=tuple(speakers), default_precision="fp32",
+            config={"espeak_voice": espeak_voice, "noise_scale": inference.get("noise_scale", 0.667),
+                    "length_scale": inference.get("length_scale", 1.0), "noise_w": inference.get("noise_w", 0.8),
+                    "hop_length": 256},
+            provenance={"source_model": model_path.name, "source_model_sha256": sha256_file(model_path),
+                        "source_config": config_path.name, "source_config_sha256": sha256_file(config_path),
+                        "tool_version": TOOL_VERSION, "created": created_now(),
+                        "int8_method": "onnxruntime dynamic int8, per-channel weights (MatMul, Conv) in the flow; "
+                                       "text encoder, duration predictor and decoder fp32"},
+        )
+        writer.write_manifest(**fields)
+        if measure:
+            writer.write_manifest(**(fields | _measure(work, similarity)))
+        log.info("built %s in %.1f s", out.name, time.perf_counter() - started)
+        return writer.commit()
 
 
 def _measure(root: Path, similarity: SpeakerMeasure | None) -> dict:

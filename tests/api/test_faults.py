@@ -165,10 +165,12 @@ def test_sigkill_under_load_then_restart(default_bundle_path, cosyedge_home, tmp
         # non-negotiable: every request cut off after it was accepted is in the dead-letter file
         lost = {t for t in clients.errors if t in accepted_texts} - dead_texts
         assert not lost, f"accepted, cut off and not dead-lettered: {lost}"
-        # at least once, not "everything": delivered answers are not dead-lettered (bar one answer whose last
-        # byte left between the kill's decision and its `finished` line, which at-least-once allows)
+        # at least once, not "everything": the dead-letter records are exactly the entries open at the kill
+        # (asserted above), so an answer finished before the kill is never dead-lettered; one whose `finished` line
+        # was not yet written may be (its last bytes may already have reached the client). How many depends on
+        # timing, so it is printed, not bounded.
         twice = [t for t in dead_texts if t in clients.answered]
-        assert len(twice) <= 1, twice
+        print(f"answered and dead-lettered (open at the kill): {len(twice)}")
         assert not _open_entries(journal)  # the new run's journal starts fresh
         assert (status := _post(again.url, "/v1/tts", {"text": "Back again.", "format": "wav"}, T)[0]) == 200, status
         Bundle.load(default_bundle_path, verify=True)  # the bundle cache is intact

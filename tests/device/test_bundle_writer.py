@@ -89,3 +89,22 @@ def test_a_foreign_manifest_does_not_make_a_folder_ours(tmp_path):
     with pytest.raises(BundleError):
         _write_bundle(out, "new")
     assert (out / "manifest.json").is_file()
+
+
+def test_a_failed_build_leaves_no_work_directory(tmp_path):
+    with pytest.raises(RuntimeError, match="export failed"):
+        with BundleWriter(tmp_path / "b") as writer:
+            (writer.work / "half.onnx").write_bytes(b"partial")
+            raise RuntimeError("export failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_bundle_the_runtime_would_refuse_never_reaches_out(tmp_path):
+    out = _write_bundle(tmp_path / "b", "old")
+    with pytest.raises(BundleError):
+        with BundleWriter(out) as writer:
+            writer.write_manifest(family="vits", name="broken", sample_rate=22050, voices=("a",),
+                                  provenance={"tool_version": "cosyedge-quantize 0.1.0"})  # no graphs at all
+            writer.commit()
+    assert Bundle.load(out).manifest.name == "old"  # the old bundle is untouched
+    assert _leftovers(tmp_path) == []
