@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -29,6 +30,9 @@ _COUNTERS = {  # name -> (help, label names)
 _HISTOGRAMS = {  # name -> (help, label names, buckets)
     "cosyedge_request_duration_seconds": ("time from request to last byte, by route", ("route",), LATENCY_BUCKETS),
     "cosyedge_batch_size": ("items per engine call", (), BATCH_BUCKETS),
+    "cosyedge_time_to_first_audio_seconds": ("time from request to its first audio being ready to send "
+                                             "(stream: the first chunk; else the whole file)", ("stream",),
+                                             LATENCY_BUCKETS),
 }
 GAUGES = {  # name -> help; read at scrape time from what `Metrics.gauge` registers (0 until then)
     "cosyedge_queue_depth": "synthesis items waiting for the engine",
@@ -37,7 +41,10 @@ GAUGES = {  # name -> help; read at scrape time from what `Metrics.gauge` regist
     "cosyedge_decode_steps": "CosyVoice: batched LLM decode steps run so far",
     "cosyedge_decode_rows_mean": "CosyVoice: mean requests' rows per LLM decode step (cross-request batching)",
     "cosyedge_decode_active_rows": "CosyVoice: rows decoding right now",
+    "cosyedge_decode_rows_cancelled": "CosyVoice: decode rows withdrawn before their end (clients that left)",
+    "cosyedge_in_flight": "requests waiting, rendering or streaming (continuous batching; else waiting)",
 }
+OCCUPANCY = ("cosyedge_decode_rows_per_step", "CosyVoice: rows decoded together per LLM decode step (occupancy)")
 
 
 class Metrics:
@@ -51,6 +58,13 @@ class Metrics:
                             for name, (text, labels, buckets) in _HISTOGRAMS.items()}
         self._gauges = {name: Gauge(name, text, registry=self.registry) for name, text in GAUGES.items()}
         self.gauge("cosyedge_rtf", self._rtf)
+        self._occupancy: Callable[[], dict[int, int]] = dict
+
+        class _Occupancy:  # a histogram counted by the engine's scheduler, read at scrape time
+            def collect(inner) -> list[HistogramMetricFamily]:  # noqa: N805
+                return [count_histogram(*OCCUPANCY, self._occupancy(), BATCH_BUCKETS)]
+
+        self.registry.register(_Occupancy())
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         counter = self._counters[name]
@@ -64,6 +78,10 @@ class Metrics:
         """A gauge read at scrape time (queue depth, readiness, the engine's counters)."""
         self._gauges[name].set_function(read)
 
+    def occupancy(self, read: Callable[[], dict[int, int]]) -> None:
+        """Where the decode-row occupancy histogram comes from: steps by rows (`Engine.decode_occupancy`)."""
+        self._occupancy = read
+
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (0 if it has none yet): for tests and the bench."""
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -74,3 +92,10 @@ class Metrics:
     def _rtf(self) -> float:
         audio = self.value("cosyedge_audio_seconds_total")
         return self.value("cosyedge_compute_seconds_total") / audio if audio else 0.0
+
+
+def count_histogram(name: str, text: str, counts: dict[int, int], buckets: tuple[int, ...]) -> HistogramMetricFamily:
+    """A Prometheus histogram of exact counts (value -> occurrences) kept elsewhere."""
+    cumulative = [(str(float(le)), sum(n for v, n in counts.items() if v <= le)) for le in buckets]
+    cumulative.append(("+Inf", sum(counts.values())))
+    return HistogramMetricFamily(name, text, buckets=cumulative, sum_value=sum(v * n for v, n in counts.items()))

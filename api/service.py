@@ -25,7 +25,8 @@ from cosyedge.device.paths import state_dir
 log = logging.getLogger(__name__)
 
 ENGINE_GAUGES = {"cosyedge_decode_steps": "decode_steps", "cosyedge_decode_rows_mean": "decode_rows_mean",
-                 "cosyedge_decode_active_rows": "decode_active_rows"}  # gauge -> key of Engine.stats()
+                 "cosyedge_decode_active_rows": "decode_active_rows",
+                 "cosyedge_decode_rows_cancelled": "decode_rows_cancelled"}  # gauge -> key of Engine.stats()
 
 
 class Service:
@@ -44,6 +45,8 @@ class Service:
         self._idle = threading.Condition()
         self.metrics.gauge("cosyedge_ready", lambda: 1.0 if self.ready.is_set() else 0.0)
         self.metrics.gauge("cosyedge_queue_depth", lambda: self.batcher.depth() if self.batcher else 0)
+        self.metrics.gauge("cosyedge_in_flight", lambda: self.batcher.in_flight() if self.batcher else 0)
+        self.metrics.occupancy(lambda: self.engine.decode_occupancy() if self.engine else {})
         for gauge, key in ENGINE_GAUGES.items():
             self.metrics.gauge(gauge, lambda key=key: self.engine.stats().get(key, 0.0) if self.engine else 0.0)
 

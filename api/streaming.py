@@ -1,10 +1,15 @@
-"""Streaming responses: sentences go through the batch queue one at a time and leave as soon as made.
+"""Streaming responses: audio leaves as soon as it is made.
+
+Two sources, one wire format. Closed-batch engines (VITS, `audio_stream`): sentences go through the batch queue
+one at a time. Continuous-batching engines (CosyVoice, `chunk_stream`): a producer thread runs
+`Engine.stream_segments` and every chunk (hops of 25, 50, 100 speech tokens) is sent as soon as it is vocoded.
 
 pcm is sent raw, wav as an unknown-length header then pcm16, the compressed formats through one
-ffmpeg process per stream (so mp3/opus frames continue across sentences). The generator waits on
-one event queue fed by the batch futures and the ffmpeg reader, never on a sleep. When the client
-goes away, waitress closes the generator (or `disconnected()` says so): the pending sentence is
-withdrawn and no further sentence is submitted.
+ffmpeg process per stream (so mp3/opus frames continue across sentences and chunks). The generator waits on
+one event queue fed by the producer (batch futures or chunks) and the ffmpeg reader. When the client
+goes away, waitress closes the generator (or `disconnected()` says so): VITS: the pending sentence is
+withdrawn and no further sentence is submitted; CosyVoice: the request's stop event is set and its decode row
+leaves the scheduler before the next decode step.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -22,10 +27,12 @@ from cosyedge.api.batcher import SynthesisQueue, SynthesisError
 from cosyedge.api.errors import DeadlineExceeded
 from cosyedge.api.metrics import Metrics
 from cosyedge.device.audio import streaming_wav_header, to_pcm16
+from cosyedge.device.engine import Engine
 from cosyedge.device.options import Segment, SynthesisOptions
 
 log = logging.getLogger(__name__)
 
+POLL_S = 0.02  # how often a CosyVoice stream waiting for its next chunk asks whether its client is still there
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 
 
@@ -128,10 +135,7 @@ def audio_stream(batcher: SynthesisQueue, metrics: Metrics, segments: list[Segme
             wave, pending = pending.result(), None
         if sent == len(segments):
             if encoder is not None:
-                encoder.finish()
-                while (event := events.get())[0] != "eof":
-                    if event[0] == "data":
-                        yield event[1]
+                yield from _drain(encoder, events)
             finished = True
     except SynthesisError as exc:
         finished = True  # not a disconnect: the stream ends short, the failure is recorded
@@ -146,5 +150,80 @@ def audio_stream(batcher: SynthesisQueue, metrics: Metrics, segments: list[Segme
             metrics.inc("cosyedge_stream_disconnects_total")
             metrics.inc("cosyedge_stream_segments_skipped_total", len(segments) - sent)
             log.info("stream client left after %d of %d sentences; the rest is not synthesized", sent, len(segments))
+        if encoder is not None:
+            encoder.close()
+
+
+def _drain(encoder: FfmpegEncoder, events: queue.SimpleQueue) -> Iterator[bytes]:
+    """The encoder's last bytes once all audio was written."""
+    encoder.finish()
+    while (event := events.get())[0] != "eof":
+        if event[0] == "data":
+            yield event[1]
+
+
+def start_chunks(engine: Engine, segments: Sequence[Segment], request: SynthesisOptions, release: Callable[[], None],
+                 events: queue.SimpleQueue, stop: threading.Event) -> None:
+    """The producer of `chunk_stream`, started before the response: every chunk of `Engine.stream_segments` goes
+    to `events` as soon as it exists; `release` (the request's place in flight) runs once the engine is done."""
+
+    def produce() -> None:
+        try:
+            for chunk in engine.stream_segments(segments, request, stop):
+                events.put(("chunk", chunk))
+            events.put(("end", None))
+        except Exception as exc:  # noqa: BLE001 - reported on the stream, dead-lettered by the caller
+            log.exception("streamed synthesis failed")
+            events.put(("error", SynthesisError(f"{type(exc).__name__}: {exc}")))
+        finally:
+            release()
+
+    threading.Thread(target=produce, name="cosyedge-stream", daemon=True).start()
+
+
+def chunk_stream(events: queue.SimpleQueue, stop: threading.Event, metrics: Metrics, fmt: str, sample_rate: int,
+                 started: float, disconnected: Callable[[], bool],
+                 on_failure: Callable[[SynthesisError], None]) -> Iterator[bytes]:
+    """The response body of a CosyVoice stream fed by `start_chunks`: each chunk leaves as soon as it is vocoded
+    (through the stream's one encoder for compressed formats); time to first audio goes to the metrics."""
+    encoder = FfmpegEncoder(fmt, sample_rate, events.put) if fmt not in ("pcm", "wav") else None
+    finished, chunks = False, 0
+    try:
+        if fmt == "wav":
+            yield streaming_wav_header(sample_rate)
+        while True:
+            try:
+                kind, payload = events.get(timeout=POLL_S)
+            except queue.Empty:
+                if disconnected():
+                    break
+                continue
+            if kind == "chunk":
+                if chunks == 0:
+                    metrics.observe("cosyedge_time_to_first_audio_seconds", time.monotonic() - started, stream="true")
+                chunks += 1
+                if encoder is None:
+                    yield to_pcm16(payload)
+                else:
+                    encoder.write(to_pcm16(payload))
+            elif kind == "data":
+                yield payload
+            elif kind == "error":
+                raise payload
+            elif kind == "eof":
+                raise SynthesisError("ffmpeg: encoder exited early")
+            elif kind == "end":
+                if encoder is not None:
+                    yield from _drain(encoder, events)
+                finished = True
+                return
+    except SynthesisError as exc:
+        finished = True  # not a disconnect: the stream ends short, the failure is recorded
+        on_failure(exc)
+    finally:
+        if not finished:
+            stop.set()  # the decode row leaves before the next step
+            metrics.inc("cosyedge_stream_disconnects_total")
+            log.info("stream client left after %d chunks; the rest is not synthesized", chunks)
         if encoder is not None:
             encoder.close()

@@ -8,6 +8,8 @@ failure, a deadline passed in the queue, a stop, a crash) ends in the dead-lette
 from __future__ import annotations
 
 import base64
+import queue
+import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
@@ -19,7 +21,7 @@ from cosyedge.api.bodies import Batch, Speech
 from cosyedge.api.errors import ApiError, DeadlineExceeded
 from cosyedge.api.journal import Journal
 from cosyedge.api.service import current_service
-from cosyedge.api.streaming import audio_stream
+from cosyedge.api.streaming import audio_stream, chunk_stream, start_chunks
 from cosyedge.device.audio import MIME, encode, to_audio_segment
 from cosyedge.device.options import Segment, SynthesisOptions
 
@@ -75,9 +77,26 @@ def speak(route: str, job: Speech) -> Response:
     def failed(exc: BaseException) -> None:
         journal.dead_letter(route, request_id, payload, _detail(exc), key)
 
-    deadline = time.monotonic() + timeout
-    first_segments = job.segments[:1] if job.stream else job.segments
+    started = time.monotonic()
+    deadline = started + timeout
+    rate = engine.sample_rate
+    headers = {"X-Sample-Rate": str(rate), "Cache-Control": "no-store"}
+    mimetype = f"audio/L16; rate={rate}; channels=1" if job.format == "pcm" else MIME[job.format]
     key = _accept(journal, request_id, route, payload)
+    if job.stream and batcher.continuous:
+        try:
+            release = batcher.admit()
+        except BaseException:
+            journal.finished(key)  # refused at once (too many in flight): the client has its 503
+            raise
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        stop = threading.Event()
+        start_chunks(engine, job.segments, options, release, events, stop)
+        disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
+        body = chunk_stream(events, stop, service.metrics, job.format, rate, started, disconnected, failed)
+        return Response(_journalled(body, journal, key, None, failed),
+                        headers={**headers, "X-Accel-Buffering": "no"}, content_type=mimetype)
+    first_segments = job.segments[:1] if job.stream else job.segments
     try:
         future = batcher.submit([(first_segments, options)], deadline)[0]
     except BaseException:
@@ -91,9 +110,8 @@ def speak(route: str, job: Speech) -> Response:
     except BaseException as exc:  # deadline passed in the queue, service stopping: accepted, not delivered
         failed(exc)
         raise
-    rate = engine.sample_rate
-    headers = {"X-Sample-Rate": str(rate), "Cache-Control": "no-store"}
-    mimetype = f"audio/L16; rate={rate}; channels=1" if job.format == "pcm" else MIME[job.format]
+    if not job.stream:
+        service.metrics.observe("cosyedge_time_to_first_audio_seconds", time.monotonic() - started, stream="false")
     if job.stream:
         disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
         watch = _DeadlineWatch(batcher)
@@ -116,7 +134,7 @@ def speak(route: str, job: Speech) -> Response:
     return response
 
 
-def _journalled(body: Iterator[bytes], journal: Journal, key: str, watch: _DeadlineWatch,
+def _journalled(body: Iterator[bytes], journal: Journal, key: str, watch: _DeadlineWatch | None,
                 failed: Callable[[BaseException], None]) -> Iterator[bytes]:
     """The stream's body; closes its journal entry: delivered, cut short by the server (dead letter), or left."""
     complete = False
@@ -124,7 +142,7 @@ def _journalled(body: Iterator[bytes], journal: Journal, key: str, watch: _Deadl
         yield from body
         complete = True
     finally:
-        if complete and watch.expired and journal.is_open(key):
+        if complete and watch is not None and watch.expired and journal.is_open(key):
             failed(DeadlineExceeded())  # the stream ended short: the rest was never synthesised
         else:
             journal.finished(key)  # delivered, or the client left (its choice); a SynthesisError closed it already

@@ -7,6 +7,7 @@ never guessed here.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -17,7 +18,7 @@ from pydub import AudioSegment
 from cosyedge.device import families
 from cosyedge.device.audio import to_audio_segment
 from cosyedge.device.bundle import PRECISIONS, TARGETS, Bundle
-from cosyedge.device.errors import (BundleError, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError, UnknownVoiceError,
+from cosyedge.device.errors import (BundleError, Cancelled, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError, UnknownVoiceError,
                                     VoiceExistsError)
 from cosyedge.device.options import SEED_MAX, SPEED_RANGE, BatchLimits, Segment, SynthesisOptions
 from cosyedge.device.paths import state_dir as default_state_dir
@@ -145,6 +146,16 @@ class Engine:
         """The pipeline's counters for /metrics (empty for families without any)."""
         return self.pipeline.stats()
 
+    @property
+    def continuous_batching(self) -> bool:
+        """Whether requests should enter at once, one by one, and share model calls inside the engine (CosyVoice),
+        rather than be collected into closed batches for `synthesize_many` (VITS)."""
+        return self.pipeline.continuous_batching
+
+    def decode_occupancy(self) -> dict[int, int]:
+        """Decode steps so far by rows decoded together (CosyVoice; empty for other families)."""
+        return self.pipeline.decode_occupancy()
+
     def warmup(self) -> float:
         """One short synthesis so the first real request does not pay for lazy ORT initialisation."""
         start = time.perf_counter()
@@ -182,11 +193,26 @@ class Engine:
         """The whole text as one AudioSegment at the bundle's sample rate."""
         return to_audio_segment(self.synthesize_waveform(text, voice=voice, speed=speed, **options), self.sample_rate)
 
-    def stream(self, text: str, voice: str | int | None = None, speed: float = 1.0, **options) -> Iterator[np.ndarray]:
-        """float32 chunks, each yielded as soon as it is made (a sentence for VITS)."""
+    def stream(self, text: str, voice: str | int | None = None, speed: float = 1.0,
+               stop: threading.Event | None = None, **options) -> Iterator[np.ndarray]:
+        """float32 chunks, each yielded as soon as it is made (a sentence for VITS). Closing the iterator, or
+        setting `stop`, ends the work for it (CosyVoice: its decode row leaves before the next step)."""
         validated = self.options(voice=voice, speed=speed, **options)
-        for segment in self.segments(text):
-            yield from self.pipeline.stream(segment, validated)
+        yield from self.stream_segments(self.segments(text), validated, stop)
+
+    def stream_segments(self, segments: Sequence[Segment], options: SynthesisOptions,
+                        stop: threading.Event | None = None) -> Iterator[np.ndarray]:
+        """`stream` for validated segments and options (what the API holds); at most `limits.batch_max` rows
+        are decoded together. Once `stop` is set, no further chunk is made."""
+        stop = stop or threading.Event()
+        try:
+            for segment in segments:
+                if stop.is_set():
+                    return
+                yield from self.pipeline.stream_request(segment, options, stop, self.limits.batch_max)
+        except Cancelled:
+            if not stop.is_set():
+                raise
 
     def synthesize_many(self, jobs: Sequence[tuple[list[Segment], SynthesisOptions]]) -> list[np.ndarray]:
         """Several validated requests at once, one waveform each in job order; what the API's queue calls."""

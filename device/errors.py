@@ -65,3 +65,8 @@ class VoiceNotFoundError(InputError):
 class FixedVoicesError(InputError):
     """The bundle's model family cannot register or remove voices (VITS), or the voice is part of the bundle."""
     code = "fixed_voices"
+
+
+class Cancelled(CosyedgeError):
+    """The request was withdrawn while it ran (its client went away); nobody waits for its result."""
+    code = "cancelled"

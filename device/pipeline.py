@@ -11,6 +11,7 @@ by every request thread.
 from __future__ import annotations
 
 import abc
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -31,6 +32,9 @@ class Pipeline(abc.ABC):
     # Padded batching bound: token ids (rows x longest row) in one model call of the default synthesize_many.
     # 0 = one segment per call, for a family whose padded batches do not pay on the device.
     batch_ids_max: int = 4096
+    # True: requests may enter the pipeline one by one at any time and share model calls inside it (CosyVoice's
+    # decode scheduler), so the API hands each request over at once instead of collecting closed batches.
+    continuous_batching: bool = False
 
     # -- required ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -98,6 +102,20 @@ class Pipeline(abc.ABC):
             else:
                 current.append(position)
         return batches
+
+    def stream_request(self, segment: Segment, options: SynthesisOptions, stop: threading.Event,
+                       batch_max: int) -> Iterator[np.ndarray]:
+        """`stream`, for a request that may be withdrawn: once `stop` is set no further chunk is made (default:
+        checked between chunks; CosyVoice2 withdraws its decode row before the next step). `batch_max` bounds the
+        rows a family decodes together with this one."""
+        for chunk in self.stream(segment, options):
+            if stop.is_set():
+                return
+            yield chunk
+
+    def decode_occupancy(self) -> dict[int, int]:
+        """Decode steps run so far by rows in the step (CosyVoice2's scheduler; empty for other families)."""
+        return {}
 
     def voice_kind(self, name: str) -> str:
         """How a voice was made: builtin (fixed speakers), sft, zero_shot."""

@@ -32,7 +32,7 @@ from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
 from cosyedge.device.cosyvoice2.streaming import stream_tokens
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
 from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
-from cosyedge.device.errors import BundleError, EmptyTextError, FixedVoicesError, InputError, UnknownVoiceError
+from cosyedge.device.errors import BundleError, Cancelled, EmptyTextError, FixedVoicesError, InputError, UnknownVoiceError
 from cosyedge.device.options import Segment, SynthesisOptions
 from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
@@ -48,6 +48,7 @@ class CosyVoice2Pipeline(Pipeline):
     """One CosyVoice2 bundle: sessions and tables shared, everything per request passed in."""
 
     supports_voice_registration = True
+    continuous_batching = True
     family = "cosyvoice2"
 
     def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
@@ -132,14 +133,13 @@ class CosyVoice2Pipeline(Pipeline):
         return segments
 
     def synthesize(self, segments: Sequence[Segment], request: SynthesisOptions) -> list[np.ndarray]:
-        return self.synthesize_many([(segments, request)], FLOW_ROWS)[0]
+        return self.synthesize_many([(segments, request)], DECODE_ROWS)[0]
 
     def synthesize_many(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]],
                         batch_max: int) -> list[list[np.ndarray]]:
-        """Several requests at once, one waveform per segment, whatever their options. `batch_max` is not used: the
-        decode scheduler (DECODE_ROWS) and the flow batches (FLOW_ROWS) size themselves. Every job's segments go to
-        the decode scheduler together
-        (one group, one Generator) before any job waits, so all of them share decode steps; then the segments of all
+        """Several requests at once, one waveform per segment, whatever their options. `batch_max` bounds the
+        rows decoded together (within DECODE_ROWS); the flow batches (FLOW_ROWS) size themselves. Every job's
+        segments go to the decode scheduler together (one group, one Generator) before any job waits, so all of them share decode steps; then the segments of all
         jobs run through the flow in padded batches of similar lengths (each row with its own voice prompt), and
         through HiFT one by one (its non-causal convolutions would see another row's padding). A job's result is
         what it gives alone."""
@@ -149,7 +149,7 @@ class CosyVoice2Pipeline(Pipeline):
             rng = np.random.default_rng(request.seed)
             lm_inputs = [self._lm_input(segment, inputs) for segment in segments]
             group = self._decoder.submit(lm_inputs, [len(segment.ids) for segment in segments], request.sampling == "greedy",
-                                         rng, request.pin_tokens) if segments else None
+                                         rng, request.pin_tokens, batch_max) if segments else None
             pending.append((inputs, rng, group))
         spoken = []  # (job, segment, prompt, tokens) of every segment that has speech tokens
         for job, (inputs, _, group) in enumerate(pending):
@@ -190,21 +190,29 @@ class CosyVoice2Pipeline(Pipeline):
         return batches
 
     def stream(self, segment: Segment, request: SynthesisOptions) -> Iterator[np.ndarray]:
+        yield from self.stream_request(segment, request, None, DECODE_ROWS)
+
+    def stream_request(self, segment: Segment, request: SynthesisOptions, stop: threading.Event | None,
+                       batch_max: int) -> Iterator[np.ndarray]:
+        """Chunks of one segment; setting `stop` withdraws the decode row before the next step (Cancelled)."""
         if request.speed != 1.0:  # the official streaming path has no speed change: render the segment whole
-            yield from self.synthesize([segment], request)
+            yield from self.synthesize_many([([segment], request)], batch_max)[0]
             return
         inputs = self._mode_inputs(request)
         seeds = np.random.SeedSequence(request.seed)
         noise = None if request.deterministic else np.random.default_rng(seeds.spawn(1)[0])
-        yield from self.stream_tokens(self._tokens(segment, inputs, request, np.random.default_rng(seeds)), request,
-                                      noise)
+        tokens = self._tokens(segment, inputs, request, np.random.default_rng(seeds), batch_max, stop)
+        yield from self.stream_tokens(tokens if stop is None else _until(tokens, stop), request, noise)
+
+    def decode_occupancy(self) -> dict[int, int]:
+        return dict(self._decoder.stats()["rows_per_step"])  # type: ignore[arg-type]
 
     def stats(self) -> dict[str, float]:
-        """The decode scheduler's gauges for /metrics: steps so far, mean rows per step, rows decoding now
-        (cross-request LLM batching at work). `describe()["decode"]` has the full counters."""
+        """The decode scheduler's gauges for /metrics: steps so far, mean rows per step, rows decoding now, rows
+        withdrawn (cross-request LLM batching at work). `describe()["decode"]` has the full counters."""
         stats = self._decoder.stats()
         return {"decode_steps": float(stats["decode_steps"]), "decode_rows_mean": float(stats["mean_rows"]),
-                "decode_active_rows": float(stats["active_rows"])}
+                "decode_active_rows": float(stats["active_rows"]), "decode_rows_cancelled": float(stats["cancelled_rows"])}
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "precision": dict(self._precision),
@@ -271,9 +279,11 @@ class CosyVoice2Pipeline(Pipeline):
         yield from stream_tokens(tokens, inputs.flow, self._flow, self._vocoder, self._stream_config,
                                  None if request.deterministic else rng)
 
-    def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator) -> Iterator[int]:
+    def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator,
+                batch_max: int = DECODE_ROWS, stop: threading.Event | None = None) -> Iterator[int]:
         lm_input = self._lm_input(segment, inputs)
-        return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, request.pin_tokens)
+        return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, request.pin_tokens,
+                                    batch_max, stop)
 
     def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:
         voice = self._voices.get(request.voice)
@@ -287,3 +297,14 @@ class CosyVoice2Pipeline(Pipeline):
             instruct += END_OF_PROMPT  # the LLM was trained with the marker; the official caller must add it
         instruct_ids = tuple(self._frontend.encode(instruct)) if instruct else ()
         return voice.inputs(mode, instruct_ids, self._mel_bins)
+
+
+def _until(tokens: Iterable[int], stop: threading.Event) -> Iterator[int]:
+    """`tokens` while `stop` is clear: once set, the next read raises Cancelled, so no further chunk (not even
+    the final one) goes through the flow and HiFT for a request nobody waits for."""
+    for token in tokens:
+        if stop.is_set():
+            break
+        yield token
+    if stop.is_set():
+        raise Cancelled("the request was withdrawn")

@@ -7,8 +7,9 @@ A request thread submits a *group* (the segments of one render call, or the one 
 its own length rules, greedy flag and `numpy.random.Generator`, then reads each row's tokens from that row's
 queue as they are chosen. The worker loop:
 
-  1. take the groups waiting (whole groups only, up to `max_rows` rows in the batch; a larger group is taken
-     alone) and drop rows whose consumer went away;
+  1. take the groups waiting (whole groups only, up to `max_rows` rows in the batch, or the group's own smaller
+     bound - the engine's `batch_max`; a larger group is taken alone) and drop rows whose consumer went away or
+     whose `stop` event is set (a client that disconnected: its row leaves before the next step);
   2. prefill the new groups in one left-padded call and choose their first tokens;
   3. when rows joined or left, rebuild the batch cache once (`SpeechLM.merge_caches`, right-aligned rows);
   4. one decode step for all rows, then each row chooses its next token with its own sampler state.
@@ -33,6 +34,7 @@ import numpy as np
 
 from cosyedge.device.cosyvoice2.llm import KVCache, SpeechLM
 from cosyedge.device.cosyvoice2.sampling import choose_token
+from cosyedge.device.errors import Cancelled
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +62,22 @@ class DecodeGroup:
     """The rows of one submission; `rows[i].tokens()` / `results()` are read by the submitting thread."""
 
     def __init__(self, lm_inputs: Sequence[np.ndarray], limits: Sequence[tuple[int, int]], greedy: bool,
-                 rng: np.random.Generator, pinned: bool) -> None:
+                 rng: np.random.Generator, pinned: bool, max_rows: int | None = None,
+                 stop: threading.Event | None = None) -> None:
         self.greedy = greedy
         self.rng = rng
         self.pinned = pinned
+        self.max_rows = max_rows  # rows of the batch this group may join (None: the scheduler's bound)
+        self.stop = stop  # set by the request's owner (a client went away): the rows leave, the reader gets Cancelled
         self.cancelled = False
         self.rows = [_Row(self, x, lo, hi) for x, (lo, hi) in zip(lm_inputs, limits)]
 
+    def stopped(self) -> bool:
+        return self.cancelled or (self.stop is not None and self.stop.is_set())
+
     def tokens(self, index: int) -> Iterator[int]:
-        """Row `index`'s tokens, each as soon as the worker chose it; raises what the worker hit."""
+        """Row `index`'s tokens, each as soon as the worker chose it; raises what the worker hit (Cancelled
+        when the group's `stop` was set)."""
         out = self.rows[index].out
         while True:
             item = out.get()
@@ -99,16 +108,18 @@ class DecodeScheduler:
         self._tokens = 0
         self._joined_running = 0
         self._rebuilds = 0
+        self._cancelled_rows = 0
         self._rows_per_step: Counter[int] = Counter()
         self._seconds = {"prefill": 0.0, "decode": 0.0, "rebuild": 0.0}
 
     # -- request threads ---------------------------------------------------------------------
     def submit(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
-               rng: np.random.Generator, pin: int | None = None) -> DecodeGroup:
+               rng: np.random.Generator, pin: int | None = None, max_rows: int | None = None,
+               stop: threading.Event | None = None) -> DecodeGroup:
         """Queue prompts [1, L, H] that decode together under one Generator; returns at once. `pin` = exactly
-        that many tokens per row (benchmarks)."""
+        that many tokens per row (benchmarks); `max_rows` bounds the batch the group joins; `stop` withdraws it."""
         limits = [self._lm.config.min_max_len(n, pin) for n in n_text_tokens]
-        group = DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None)
+        group = DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None, max_rows, stop)
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cosyedge-decode", daemon=True)
@@ -118,9 +129,11 @@ class DecodeScheduler:
         return group
 
     def stream(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool, rng: np.random.Generator,
-               pin: int | None = None) -> Iterator[int]:
-        """One prompt's tokens as they are chosen; closing the iterator early withdraws the row."""
-        group = self.submit([lm_input], [n_text_tokens], greedy, rng, pin)
+               pin: int | None = None, max_rows: int | None = None,
+               stop: threading.Event | None = None) -> Iterator[int]:
+        """One prompt's tokens as they are chosen; closing the iterator early, or setting `stop`, withdraws the
+        row before the next decode step."""
+        group = self.submit([lm_input], [n_text_tokens], greedy, rng, pin, max_rows, stop)
         try:
             yield from group.tokens(0)
         finally:
@@ -141,6 +154,7 @@ class DecodeScheduler:
             return {"decode_steps": steps, "prefill_calls": self._prefills, "tokens": self._tokens,
                     "rows_per_step": hist, "mean_rows": (sum(k * v for k, v in hist.items()) / steps) if steps else 0.0,
                     "joined_running": self._joined_running, "cache_rebuilds": self._rebuilds,
+                    "cancelled_rows": self._cancelled_rows,
                     "seconds": {k: round(v, 6) for k, v in self._seconds.items()},
                     "active_rows": sum(not row.done for row in self._rows), "waiting_groups": len(self._waiting),
                     "max_rows": self.max_rows}
@@ -163,19 +177,29 @@ class DecodeScheduler:
             while not self._waiting and not self._rows:
                 self._cond.wait()
             for row in self._rows:
-                if row.group.cancelled:
-                    row.finish()
-            for group in [g for g in self._waiting if g.cancelled]:
+                if not row.done and row.group.stopped():
+                    self._withdraw(row)
+            for group in [g for g in self._waiting if g.stopped()]:
                 self._waiting.remove(group)
                 for row in group.rows:
-                    row.finish()
-            room = self.max_rows - sum(not row.done for row in self._rows)
+                    self._withdraw(row)
+            used = sum(not row.done for row in self._rows)
             joining: list[DecodeGroup] = []
-            while self._waiting and (len(self._waiting[0].rows) <= room or (not self._rows and not joining)):
-                group = self._waiting.popleft()
-                room -= len(group.rows)
+            while self._waiting:
+                group = self._waiting[0]
+                bound = min(self.max_rows, group.max_rows or self.max_rows)
+                if used + len(group.rows) > bound and (used or joining):  # too big alone: it runs alone
+                    break
+                self._waiting.popleft()
+                used += len(group.rows)
                 joining.append(group)
             return joining
+
+    def _withdraw(self, row: _Row) -> None:
+        """Stop a row whose consumer left (caller holds the lock); a reader still waiting gets Cancelled."""
+        if not row.done:
+            self._cancelled_rows += 1
+            row.finish(Cancelled("the request was withdrawn") if row.group.stop is not None else None)
 
     def _step(self, joining: list[DecodeGroup]) -> None:
         new_rows = [row for group in joining for row in group.rows]
@@ -222,7 +246,11 @@ class DecodeScheduler:
         cfg = self._lm.config
         chosen = 0
         for row, scores in zip(rows, logits):
-            if row.group.cancelled or row.max_len <= 0:
+            if row.group.stopped():
+                with self._cond:
+                    self._withdraw(row)
+                continue
+            if row.max_len <= 0:
                 row.finish()
                 continue
             if row.group.pinned:

@@ -1,0 +1,90 @@
+"""CosyVoice over HTTP with continuous batching (issue 11): no request waits behind another's batch, streams send
+each chunk as soon as it is vocoded, and a client that leaves frees its decode row (tiny CosyVoice2 bundle)."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import requests
+
+from apitools import api_config, decode, run_server, streaming_client
+from cosyedge.device.engine import Engine
+from cosyedge.device.sessions import SessionConfig
+
+# One sentence of 180 text tokens: the LLM must make >= 360 speech tokens (6+ chunks, seconds of work even tiny);
+# LONGER keeps the LLM itself busy for seconds, so a client that leaves after its first chunk leaves a decoding row.
+LONG = "，".join(["收到好友从远方寄来的生日礼物"] * 20) + "。"
+LONGER = "，".join(["收到好友从远方寄来的生日礼物"] * 100) + "。"  # 900 text tokens: >= 1800 speech tokens
+SHORT = "你好。"
+T = 120  # seconds: a bound for every HTTP call, never an expectation
+
+
+@pytest.fixture(scope="module")
+def cv2_server(cv2_tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    state = tmp_path_factory.mktemp("continuous")
+    engine = Engine.load(cv2_tiny_bundle, precision="fp32", warmup=False, state_dir=state,
+                         sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
+    with run_server(api_config(state), engine) as srv:
+        yield srv
+
+
+def _wait_for(condition, what: str, bound: float = 60) -> None:
+    end = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+def test_short_request_finishes_before_a_long_one_already_running(cv2_server):
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def post(name: str, text: str) -> int:
+        response = requests.post(cv2_server.url + "/v1/tts", json={"text": text, "voice": "tiny_spk_zh", "seed": 1,
+                                                                   "format": "wav"}, timeout=T)
+        with lock:
+            finished.append(name)
+        return response.status_code
+
+    steps = cv2_server.metric("cosyedge_decode_steps")
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(post, "long", LONG)
+        _wait_for(lambda: cv2_server.metric("cosyedge_decode_steps") > steps + 20, "the long request never decoded")
+        short = pool.submit(post, "short", SHORT)
+        assert (short.result(T), long.result(T)) == (200, 200)
+    assert finished == ["short", "long"]
+    assert cv2_server.metric("cosyedge_decode_rows_per_step_bucket") > 0  # occupancy histogram is exposed
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "mp3"])
+def test_long_sentence_streams_chunks_spread_over_the_request(cv2_server, fmt):
+    arrivals: list[float] = []
+    body = b""
+    started = time.monotonic()
+    with requests.post(cv2_server.url + "/v1/audio/speech", stream=True, timeout=T, json={
+            "model": "tts-1", "input": LONG, "voice": "tiny_spk_zh", "stream": True, "response_format": fmt}) as r:
+        assert r.status_code == 200
+        for piece in r.iter_content(chunk_size=None):
+            arrivals.append(time.monotonic() - started)
+            body += piece
+    total = arrivals[-1]
+    assert len(arrivals) >= 4, arrivals
+    assert arrivals[0] < total / 2, arrivals  # first audio long before the end: chunk by chunk, not the sentence
+    assert len(decode(body, 24000) if fmt == "mp3" else body) > 0
+
+
+def test_client_that_leaves_mid_stream_frees_its_decode_row(cv2_server):
+    disconnects = cv2_server.metric("cosyedge_stream_disconnects_total")
+    cancelled = cv2_server.metric("cosyedge_decode_rows_cancelled")
+    with streaming_client(cv2_server.port, {"text": LONGER, "voice": "tiny_spk_zh", "stream": True,
+                                            "format": "pcm"}) as client:
+        assert client.stdout.readline().strip() == "streaming", client.stderr.read()
+        assert cv2_server.metric("cosyedge_decode_active_rows") == 1
+    _wait_for(lambda: cv2_server.metric("cosyedge_decode_rows_cancelled") > cancelled, "the row was never withdrawn")
+    assert cv2_server.metric("cosyedge_stream_disconnects_total") == disconnects + 1
+    _wait_for(lambda: cv2_server.metric("cosyedge_decode_active_rows") == 0, "a row still decodes")
+    _wait_for(lambda: cv2_server.metric("cosyedge_in_flight") == 0, "the stream still holds its place")
