@@ -29,7 +29,7 @@ from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretc
 from cosyedge.device.cosyvoice2.frontend import TextFrontend
 from cosyedge.device.cosyvoice2.llm import DecodeConfig, SpeechLM
 from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
-from cosyedge.device.cosyvoice2.streaming import stream_tokens
+from cosyedge.device.cosyvoice2.streaming import ChunkGate, stream_tokens
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
 from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
 from cosyedge.device.errors import BundleError, Cancelled, EmptyTextError, FixedVoicesError, InputError, UnknownVoiceError
@@ -87,6 +87,7 @@ class CosyVoice2Pipeline(Pipeline):
         self._bundle = bundle
         self._session_config = sessions
         self._prompt_models: tuple[Any, Any] | None = None
+        self._chunk_gate = ChunkGate()  # concurrent streams' chunk work, first chunks first
         self._prompt_lock = threading.Lock()
 
     # -- family hooks (CosyVoice3 overrides them; device/cosyvoice3/pipeline.py) ---------------
@@ -277,7 +278,7 @@ class CosyVoice2Pipeline(Pipeline):
         if not request.deterministic and rng is None:
             rng = np.random.default_rng(request.seed)
         yield from stream_tokens(tokens, inputs.flow, self._flow, self._vocoder, self._stream_config,
-                                 None if request.deterministic else rng)
+                                 None if request.deterministic else rng, self._chunk_gate)
 
     def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator,
                 batch_max: int = DECODE_ROWS, stop: threading.Event | None = None) -> Iterator[int]:

@@ -6,10 +6,20 @@ prompt + first hop to a hops[0] boundary; later hops follow `hops` (25, 50, 100,
 the tokens not yet voiced reach hop + look-ahead; the flow then re-runs on tokens[:offset + hop + look-ahead]
 (streaming attention, finalize off: the look-ahead tokens are context only) and the new mel starts at
 ratio * offset. When the LLM stops, one final call voices every remaining token (finalize on, full attention).
+
+Fairness between concurrent streams (`ChunkGate`): the flow + HiFT work of one chunk waits for its turn, and the
+turn goes to the stream that has emitted the fewest chunks, then to the one that began first, so a new request's
+first chunk never waits behind another request's later chunks. The priority lives in the waiting ticket (a
+local of the stream), never on the shared gate.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+import threading
+import time
+from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -45,26 +55,67 @@ class ChunkSchedule:
         self._index += 1
 
 
+class ChunkGate:
+    """Turns for chunk work (flow + HiFT) of concurrent streams: at most `slots` at once, the waiting ticket with
+    the lowest (chunks emitted, start time) first. One slot suits a CPU, where parallel calls only share cores."""
+
+    def __init__(self, slots: int = 1) -> None:
+        self._cond = threading.Condition()
+        self._free = slots
+        self._waiting: list[tuple[int, float, int]] = []  # heap of tickets
+        self._order = itertools.count()
+
+    def waiting(self) -> int:
+        """Tickets waiting for a turn (tests, metrics)."""
+        with self._cond:
+            return len(self._waiting)
+
+    @contextmanager
+    def turn(self, emitted: int, began: float) -> Iterator[None]:
+        """Hold a slot for one chunk's work; `emitted` and `began` are the waiting stream's own values."""
+        ticket = (emitted, began, next(self._order))
+        with self._cond:
+            heapq.heappush(self._waiting, ticket)
+            self._cond.wait_for(lambda: self._free > 0 and self._waiting[0] == ticket)
+            heapq.heappop(self._waiting)
+            self._free -= 1
+            self._cond.notify_all()  # with slots left, the next ticket may go too
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._free += 1
+                self._cond.notify_all()
+
+
 def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder: Vocoder, config: StreamConfig,
-                  rng: np.random.Generator | None) -> Iterator[np.ndarray]:
+                  rng: np.random.Generator | None, gate: ChunkGate | None = None) -> Iterator[np.ndarray]:
     """Waveform chunks for a token stream, each yielded as soon as its tokens have arrived.
 
     `tokens` is consumed lazily (the LLM decoder, or any token source), so decoding and chunk emission interleave
-    in the caller's thread; rng None switches the NSF noise off.
+    in the caller's thread; rng None switches the NSF noise off. With a `gate`, each chunk's flow + HiFT work
+    waits for its turn among the concurrent streams (fewest chunks emitted first).
     """
     ratio = flow.config.token_mel_ratio
     schedule = ChunkSchedule(len(prompt.tokens), config)
     hift = VocoderStream(vocoder, config, rng)
+    gate = gate or ChunkGate()  # a private gate: never waits
+    began, emitted = time.monotonic(), 0
     got: list[int] = []
     for token in tokens:
         got.append(int(token))
         size = schedule.ready(len(got))
         if size is None:
             continue
-        mel = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
-        yield hift.chunk(mel[:, :, ratio * schedule.offset:], final=False)
+        with gate.turn(emitted, began):
+            mel = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
+            chunk = hift.chunk(mel[:, :, ratio * schedule.offset:], final=False)
+        emitted += 1
+        yield chunk
         schedule.advance()
     if not got:
         return
-    mel = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
-    yield hift.chunk(mel[:, :, ratio * schedule.offset:], final=True)
+    with gate.turn(emitted, began):
+        mel = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
+        chunk = hift.chunk(mel[:, :, ratio * schedule.offset:], final=True)
+    yield chunk

@@ -1,0 +1,110 @@
+"""Issue 11/12: the scheduler's per-request bounds and withdrawal, and fair chunk work between concurrent streams
+(device/cosyvoice2/scheduler.py, streaming.py) on the tiny CosyVoice2 bundle. Orders and counts, never times."""
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyedge.device.cosyvoice2.streaming import ChunkGate
+from cosyedge.device.engine import Engine
+from cosyedge.device.errors import Cancelled
+from cosyedge.device.options import BatchLimits
+from cosyedge.device.sessions import SessionConfig
+
+VOICE = "tiny_spk_zh"
+TEXT = "收到好友从远方寄来的生日礼物。"
+
+
+@pytest.fixture(scope="module")
+def engine(cv2_tiny_bundle: Path) -> Engine:
+    return Engine.load(cv2_tiny_bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
+                       warmup=False, limits=BatchLimits(batch_max=2))
+
+
+def _until(condition, what: str) -> None:
+    end = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < end, what
+        time.sleep(0.005)
+
+
+def test_gate_gives_the_turn_to_the_fewest_chunks_emitted_then_the_earliest():
+    gate, order, lock = ChunkGate(), [], threading.Lock()
+
+    def wait_turn(emitted: int, began: float) -> None:
+        with gate.turn(emitted, began):
+            with lock:
+                order.append((emitted, began))
+
+    with gate.turn(0, 0.0):  # the test holds the only slot while the others queue up
+        threads = [threading.Thread(target=wait_turn, args=args) for args in ((3, 1.0), (0, 5.0), (1, 0.5), (0, 2.0))]
+        for thread in threads:
+            thread.start()
+        _until(lambda: gate.waiting() == 4, "the tickets never queued")
+    for thread in threads:
+        thread.join(30)
+    assert order == [(0, 2.0), (0, 5.0), (1, 0.5), (3, 1.0)]
+
+
+def test_a_new_streams_first_chunk_goes_before_a_running_streams_next_chunk(engine: Engine):
+    """Stream A has emitted chunks; while chunk work is held, A waits for its next chunk and B for its first:
+    B's first chunk is made first."""
+    gate = engine.pipeline._chunk_gate
+    segment = engine.segments(TEXT)[0]
+    options = engine.options(voice=VOICE, seed=1, sampling="greedy")
+    pinned = replace(options, pin_tokens=300)  # long enough for several chunks
+    a = engine.pipeline.stream(segment, pinned)
+    next(a)  # A emitted its first chunk
+    made: list[str] = []
+    with gate.turn(0, 0.0):
+        threads = [threading.Thread(target=lambda: made.append(("A", next(a))[0])),
+                   threading.Thread(target=lambda: made.append(("B", next(engine.pipeline.stream(segment, pinned)))[0]))]
+        threads[0].start()
+        _until(lambda: gate.waiting() == 1, "A never asked for its next chunk")
+        threads[1].start()
+        _until(lambda: gate.waiting() == 2, "B never asked for its first chunk")
+    for thread in threads:
+        thread.join(60)
+    a.close()
+    assert made == ["B", "A"]
+
+
+def test_batch_max_bounds_the_rows_decoded_together(engine: Engine):
+    """Three requests at once under batch_max=2: no decode step holds more than two rows."""
+    before = dict(engine.pipeline._decoder.stats()["rows_per_step"])
+    options = engine.options(voice=VOICE, seed=2)
+    segments = engine.segments(TEXT)
+    waves = engine.pipeline.synthesize_many([(segments, options)] * 3, engine.limits.batch_max)
+    assert all(w[0].size for w in waves)
+    after = engine.pipeline._decoder.stats()["rows_per_step"]
+    grew = {rows for rows, n in after.items() if n > before.get(rows, 0)}
+    assert max(grew) == 2
+
+
+def test_stop_withdraws_a_decoding_row_before_the_next_step(engine: Engine):
+    decoder = engine.pipeline._decoder
+    options = engine.options(voice=VOICE, seed=3)
+    segment = engine.segments(TEXT)[0]
+    pinned = replace(options, pin_tokens=2000)
+    before = decoder.stats()
+    stop = threading.Event()
+    chunks = engine.pipeline.stream_request(segment, pinned, stop, 8)
+    next(chunks)
+    stop.set()
+    with pytest.raises(Cancelled):
+        list(chunks)
+    _until(lambda: decoder.stats()["cancelled_rows"] == before["cancelled_rows"] + 1, "the row never left")
+    after = decoder.stats()
+    assert after["tokens"] - before["tokens"] < 2000 and after["active_rows"] == 0
+    # the engine's surface: a stop set by the caller ends the stream quietly, without a final chunk
+    stop2 = threading.Event()
+    stream = engine.stream_segments([segment], pinned, stop2)
+    next(stream)
+    stop2.set()
+    assert list(stream) == []
+    _until(lambda: decoder.stats()["cancelled_rows"] == before["cancelled_rows"] + 2, "the row never left")
