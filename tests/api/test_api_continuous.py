@@ -2,6 +2,7 @@
 each chunk as soon as it is vocoded, and a client that leaves frees its decode row (tiny CosyVoice2 bundle)."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,8 @@ import pytest
 import requests
 
 from apitools import api_config, decode, run_server, streaming_client
+from cosyedge.api.batcher import SynthesisQueue
+from cosyedge.api.metrics import Metrics
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
 
@@ -64,6 +67,7 @@ def test_short_request_finishes_before_a_long_one_already_running(cv2_server):
 def test_long_sentence_streams_chunks_spread_over_the_request(cv2_server, fmt):
     arrivals: list[float] = []
     body = b""
+    ttfa = cv2_server.metric("cosyedge_time_to_first_audio_seconds_count")
     started = time.monotonic()
     with requests.post(cv2_server.url + "/v1/audio/speech", stream=True, timeout=T, json={
             "model": "tts-1", "input": LONG, "voice": "tiny_spk_zh", "stream": True, "response_format": fmt}) as r:
@@ -72,6 +76,7 @@ def test_long_sentence_streams_chunks_spread_over_the_request(cv2_server, fmt):
             arrivals.append(time.monotonic() - started)
             body += piece
     total = arrivals[-1]
+    assert cv2_server.metric("cosyedge_time_to_first_audio_seconds_count") > ttfa
     assert len(arrivals) >= 4, arrivals
     assert arrivals[0] < total / 2, arrivals  # first audio long before the end: chunk by chunk, not the sentence
     assert len(decode(body, 24000) if fmt == "mp3" else body) > 0
@@ -88,3 +93,29 @@ def test_client_that_leaves_mid_stream_frees_its_decode_row(cv2_server):
     assert cv2_server.metric("cosyedge_stream_disconnects_total") == disconnects + 1
     _wait_for(lambda: cv2_server.metric("cosyedge_decode_active_rows") == 0, "a row still decodes")
     _wait_for(lambda: cv2_server.metric("cosyedge_in_flight") == 0, "the stream still holds its place")
+
+
+def test_requests_beyond_the_in_flight_bound_get_503_with_retry_after(cv2_tiny_bundle, tmp_path):
+    """queue_size bounds the requests in flight (waiting + decoding + streaming): one stream holds the only place."""
+    engine = Engine.load(cv2_tiny_bundle, precision="fp32", warmup=False, state_dir=tmp_path,
+                         sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
+    with run_server(api_config(tmp_path, queue_size=1), engine) as srv:
+        with streaming_client(srv.port, {"text": LONGER, "voice": "tiny_spk_zh", "stream": True,
+                                         "format": "pcm"}) as client:
+            assert client.stdout.readline().strip() == "streaming", client.stderr.read()
+            assert srv.metric("cosyedge_in_flight") == 1
+            for stream in (False, True):
+                status, headers, body = srv.post("/v1/tts", {"text": SHORT, "voice": "tiny_spk_zh", "stream": stream})
+                assert status == 503 and int(headers["retry-after"]) >= 1, body[:200]
+                assert json.loads(body)["error"]["code"] == "queue_full"
+        _wait_for(lambda: srv.metric("cosyedge_in_flight") == 0, "the stream still holds its place")
+        assert srv.post("/v1/tts", {"text": SHORT, "voice": "tiny_spk_zh"})[0] == 200
+        assert srv.metric("cosyedge_queue_rejected_total") == 2
+
+
+def test_retry_after_comes_from_the_measured_completions(cv2_tiny_bundle, tmp_path):
+    engine = Engine.load(cv2_tiny_bundle, precision="fp32", warmup=False, state_dir=tmp_path,
+                         sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
+    queue = SynthesisQueue(engine, Metrics(), capacity=4, batch_max=8, timeout=0.0)
+    queue._finished.extend([100.0, 110.0, 120.0])  # two completions in 20 s: 0.1 per second
+    assert queue.retry_after(1) == 10 and queue.retry_after(3) == 30
