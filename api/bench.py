@@ -1,8 +1,14 @@
-"""`cosyedge bench-api`: the HTTP service measured from the outside.
+"""`cosyedge bench-api`: the HTTP service measured from the outside, beside the engine alone.
 
-Single client: latency of whole-file requests and time to first audio byte of streamed ones.
-Many clients: throughput in audio seconds per wall second, latency under load, mean batch size.
-Without --url, a service on the default voice is started in-process on a free port.
+For each concurrency level, that many clients each send `requests` requests one after the other (pcm, streamed
+or whole-file) and the bench records per request the time to its first audio byte, the time to its last byte and
+the audio seconds. Arrivals: `burst` starts all clients at once; `staggered` starts client i at i * stagger
+(default: the single-client mean latency divided by the concurrency, so requests overlap at different stages).
+Reported per level: first-audio p50/p95, request latency p50/p95 and audio seconds per wall second.
+
+Engine-only numbers for the same bundle and texts come from the engine's public surface in the same process
+(time to the first chunk of `Engine.stream`, and to its end), measured before the HTTP phase so that nothing
+competes with them. Without --url a service is started in-process on a free port on that same engine.
 """
 from __future__ import annotations
 
@@ -13,10 +19,10 @@ import statistics
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit
 
-# The workload: short announcements, each one sentence (whole-file requests), joined for the paragraph (streaming).
+# The workload: short announcements of different lengths, one sentence each.
 SENTENCES = (
     "Your order has been received and will be ready in ten minutes.",
     "The meeting room on the second floor is free until noon.",
@@ -24,129 +30,157 @@ SENTENCES = (
     "The printer near the kitchen is out of paper again.",
     "Have a pleasant evening, and see you tomorrow.",
 )
+ARRIVALS = ("staggered", "burst")
 
 
 def _post(host: str, port: int, body: dict) -> tuple[float, float, float]:
-    """(seconds to first body byte, seconds to the end, audio seconds) of one /v1/tts request."""
-    conn = http.client.HTTPConnection(host, port, timeout=300)
+    """(seconds to the first body byte, seconds to the end, audio seconds) of one /v1/tts request (pcm)."""
+    conn = http.client.HTTPConnection(host, port, timeout=600)
     try:
         start = time.perf_counter()
         conn.request("POST", "/v1/tts", body=json.dumps(body), headers={"Content-Type": "application/json"})
         response = conn.getresponse()
-        first = response.read1(65536) if hasattr(response, "read1") else response.read(1)
-        ttfb = time.perf_counter() - start
+        first = response.read1(65536)
+        first_audio = time.perf_counter() - start
         rest = response.read()
         total = time.perf_counter() - start
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {(first + rest)[:200]!r}")
         rate = int(response.getheader("X-Sample-Rate"))
-        audio = float(response.getheader("X-Audio-Seconds") or (len(first) + len(rest)) / 2 / rate)
-        return ttfb, total, audio
+        return first_audio, total, (len(first) + len(rest)) / 2 / rate
     finally:
         conn.close()
 
 
-def _metric(host: str, port: int, name: str) -> float:
-    conn = http.client.HTTPConnection(host, port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith((name + " ", name + "{")))
-
-
-@contextmanager
-def _local_service(bundle: str | None) -> Iterator[str]:
-    from cosyedge.api.app import create_app
-    from cosyedge.api.config import load_config
-    from cosyedge.api.server import load_engine, make_server
-
-    config = load_config(port=0, bundle=bundle)
-    app = create_app(config, engine=load_engine(config))
-    server = make_server(app, "127.0.0.1", 0, config.http_threads)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.effective_port}"
-    finally:
-        app.extensions["cosyedge"].stop()
-        server.close()
-
-
-def _summary(values: list[float]) -> dict[str, float]:
+def _summary(values: Sequence[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"p50": round(statistics.median(ordered), 4), "p90": round(ordered[int(0.9 * (len(ordered) - 1))], 4),
+    return {"p50": round(statistics.median(ordered), 4), "p95": round(ordered[round(0.95 * (len(ordered) - 1))], 4),
             "mean": round(statistics.fmean(ordered), 4)}
 
 
-def run_api_bench(url: str | None = None, bundle: str | None = None, clients: int = 16,
-                  requests_per_client: int = 4, single_rounds: int = 10) -> dict:
-    if url is None:
-        with _local_service(bundle) as local:
-            return run_api_bench(local, None, clients, requests_per_client, single_rounds)
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    texts = [SENTENCES[i % len(SENTENCES)] for i in range(max(single_rounds, 1))]
-    _post(host, port, {"text": "Warm up.", "format": "wav"})
+def engine_only(engine: Any, texts: Sequence[str], voice: str | None = None) -> dict[str, Any]:
+    """First chunk and whole-stream seconds of `Engine.stream` for each text, one at a time."""
+    first, total, audio = [], [], 0.0
+    for _ in engine.stream(texts[0], voice=voice):  # warm-up, as the HTTP phase has its own
+        pass
+    for text in texts:
+        start = time.perf_counter()
+        chunks = engine.stream(text, voice=voice)
+        samples = len(next(chunks))
+        first.append(time.perf_counter() - start)
+        samples += sum(len(chunk) for chunk in chunks)
+        total.append(time.perf_counter() - start)
+        audio += samples / engine.sample_rate
+    return {"requests": len(texts), "first_audio_s": _summary(first), "latency_s": _summary(total),
+            "audio_s_per_s": round(audio / sum(total), 3)}
 
-    whole = [_post(host, port, {"text": t, "format": "wav"}) for t in texts]
-    paragraph = " ".join(SENTENCES)  # several sentences: where streaming pays
-    rounds = max(1, single_rounds // 3)
-    para_whole = [_post(host, port, {"text": paragraph, "format": "wav"}) for _ in range(rounds)]
-    para_stream = [_post(host, port, {"text": paragraph, "format": "pcm", "stream": True}) for _ in range(rounds)]
 
-    batches_before = _metric(host, port, "cosyedge_batch_size_count")
-    items_before = _metric(host, port, "cosyedge_batch_size_sum")
+def http_level(host: str, port: int, texts: Sequence[str], concurrency: int, requests: int, stream: bool,
+               arrivals: str, stagger_s: float, voice: str | None = None) -> dict[str, Any]:
+    """`concurrency` clients of `requests` requests each; see the module docstring."""
     results: list[tuple[float, float, float]] = []
-    lock, barrier = threading.Lock(), threading.Barrier(clients)
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
 
     def client(index: int) -> None:
-        barrier.wait()
-        for k in range(requests_per_client):
-            result = _post(host, port, {"text": SENTENCES[(index + k) % len(SENTENCES)], "format": "wav"})
+        if arrivals == "staggered":
+            time.sleep(max(0.0, start + index * stagger_s - time.perf_counter()))
+        for k in range(requests):
+            body = {"text": texts[(index + k) % len(texts)], "format": "pcm", "stream": stream}
+            if voice:
+                body["voice"] = voice
+            try:
+                result = _post(host, port, body)
+            except (OSError, RuntimeError) as exc:
+                with lock:
+                    errors.append(str(exc)[:200])
+                continue
             with lock:
                 results.append(result)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - start
-    batches = _metric(host, port, "cosyedge_batch_size_count") - batches_before
-    items = _metric(host, port, "cosyedge_batch_size_sum") - items_before
-    audio = sum(r[2] for r in results)
-    return {
-        "url": url, "machine": platform.machine(), "python": platform.python_version(),
-        "single_client": {"requests": len(texts), "audio_s_mean": round(statistics.fmean(w[2] for w in whole), 3),
-                          "latency_s": _summary([w[1] for w in whole]),
-                          "rtf": round(sum(w[1] for w in whole) / sum(w[2] for w in whole), 4)},
-        "paragraph": {"sentences": len(SENTENCES), "requests": rounds,
-                      "audio_s": round(statistics.fmean(w[2] for w in para_whole), 3),
-                      "whole_latency_s": _summary([w[1] for w in para_whole]),
-                      "stream_first_byte_s": _summary([w[0] for w in para_stream]),
-                      "stream_total_s": _summary([w[1] for w in para_stream])},
-        "concurrent": {"clients": clients, "requests": len(results), "wall_s": round(wall, 3),
-                       "audio_s": round(audio, 2), "audio_s_per_s": round(audio / wall, 2),
-                       "latency_s": _summary([r[1] for r in results]),
-                       "mean_batch_size": round(items / batches, 2) if batches else None},
-    }
+    if not results:
+        raise RuntimeError(f"every request failed: {errors[:3]}")
+    return {"concurrency": concurrency, "requests": len(results), "errors": errors, "wall_s": round(wall, 3),
+            "stagger_s": round(stagger_s, 3) if arrivals == "staggered" else 0.0,
+            "first_audio_s": _summary([r[0] for r in results]), "latency_s": _summary([r[1] for r in results]),
+            "audio_s_per_s": round(sum(r[2] for r in results) / wall, 3)}
 
 
-def format_report(report: dict) -> str:
-    single, para, many = report["single_client"], report["paragraph"], report["concurrent"]
-    return "\n".join([
-        f"cosyedge API bench ({report['url']}, {report['machine']})",
-        f"single client, {single['requests']} requests of ~{single['audio_s_mean']} s audio:",
-        f"  whole-file latency p50 {single['latency_s']['p50']:.3f} s, p90 {single['latency_s']['p90']:.3f} s "
-        f"(RTF {single['rtf']:.3f})",
-        f"paragraph of {para['sentences']} sentences ({para['audio_s']} s audio), {para['requests']} requests each:",
-        f"  whole-file latency p50 {para['whole_latency_s']['p50']:.3f} s; streamed (pcm) first byte p50 "
-        f"{para['stream_first_byte_s']['p50']:.3f} s, last byte p50 {para['stream_total_s']['p50']:.3f} s",
-        f"{many['clients']} clients, {many['requests']} requests in {many['wall_s']:.2f} s:",
-        f"  throughput {many['audio_s_per_s']:.2f} audio s per s, latency p50 {many['latency_s']['p50']:.3f} s, "
-        f"p90 {many['latency_s']['p90']:.3f} s, mean batch {many['mean_batch_size']}",
-    ])
+@contextmanager
+def _local_service(bundle: str | None, target: str | None) -> Iterator[tuple[str, Any]]:
+    """A service on a free port and its engine (one load, shared with the engine-only measurement)."""
+    from cosyedge.api.app import create_app
+    from cosyedge.api.config import load_config
+    from cosyedge.api.server import load_engine, make_server
+
+    config = load_config(port=0, bundle=bundle, target=target)
+    engine = load_engine(config)
+    app = create_app(config, engine=engine)
+    server = make_server(app, "127.0.0.1", 0, config.http_threads)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.effective_port}", engine
+    finally:
+        app.extensions["cosyedge"].stop()
+        server.close()
+
+
+def run_api_bench(url: str | None = None, bundle: str | None = None, target: str | None = None,
+                  concurrency: Sequence[int] = (1, 4), stream: bool = True, arrivals: str = "staggered",
+                  requests: int = 4, texts: Sequence[str] | None = None, stagger_s: float | None = None,
+                  voice: str | None = None, _engine: Any = None) -> dict[str, Any]:
+    """The bench-api report (see the module docstring); `url` measures a running service (no engine-only part)."""
+    texts = texts or SENTENCES
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}")
+    if url is None:
+        with _local_service(bundle, target) as (local, engine):
+            return run_api_bench(local, bundle, target, concurrency, stream, arrivals, requests, texts, stagger_s,
+                                 voice, engine)
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    warm = {"text": texts[0], "format": "pcm", **({"voice": voice} if voice else {})}
+    _post(host, port, warm)
+    report: dict[str, Any] = {"url": url, "bundle": bundle or "default voice", "target": target,
+                              "machine": platform.machine(), "python": platform.python_version(), "stream": stream,
+                              "arrivals": arrivals, "texts": len(texts), "requests_per_client": requests}
+    if _engine is not None:
+        report["engine"] = engine_only(_engine, texts, voice)
+    levels = []
+    single_latency = None
+    for level in concurrency:
+        gap = stagger_s if stagger_s is not None else (single_latency or 0.0) / max(level, 1)
+        result = http_level(host, port, texts, level, requests, stream, arrivals, gap, voice)
+        if level == 1:
+            single_latency = result["latency_s"]["mean"]
+        levels.append(result)
+    report["http"] = levels
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a table: one row for the engine alone, one per concurrency level."""
+    def row(name: str, part: dict[str, Any]) -> str:
+        fa, lat = part["first_audio_s"], part["latency_s"]
+        return (f"{name:<22} {fa['p50']:>8.3f} {fa['p95']:>8.3f} {lat['p50']:>9.3f} {lat['p95']:>9.3f} "
+                f"{part['audio_s_per_s']:>9.3f}")
+
+    lines = [f"cosyedge bench-api: {report['bundle']} ({report['url']}, {report['machine']}), stream "
+             f"{'on' if report['stream'] else 'off'}, arrivals {report['arrivals']}, {report['texts']} texts, "
+             f"{report['requests_per_client']} requests per client",
+             f"{'':<22} {'first audio s':>17} {'latency s':>19} {'audio s':>9}",
+             f"{'':<22} {'p50':>8} {'p95':>8} {'p50':>9} {'p95':>9} {'per s':>9}"]
+    if "engine" in report:
+        lines.append(row("engine.stream alone", report["engine"]))
+    for level in report["http"]:
+        note = f" ({len(level['errors'])} failed)" if level["errors"] else ""
+        lines.append(row(f"HTTP x{level['concurrency']}", level) + note)
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""`cosyedge bench-api` on the default voice with tiny bounds: the report has the engine-only row and one row per
+concurrency level, as JSON and as a table; bad flags are one line and exit 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from cosyedge.api.bench import format_report, run_api_bench
+
+TEXTS = ["Short one.", "A second, slightly longer sentence for the bench."]
+
+
+def test_bench_api_reports_engine_and_http_levels(default_bundle_path: Path):
+    report = run_api_bench(bundle=str(default_bundle_path), concurrency=(1, 2), stream=True, arrivals="staggered",
+                           requests=2, texts=TEXTS)
+    json.dumps(report)  # the --json file
+    assert report["engine"]["requests"] == len(TEXTS) and report["engine"]["first_audio_s"]["p50"] > 0
+    assert [level["concurrency"] for level in report["http"]] == [1, 2]
+    for level in report["http"]:
+        assert level["requests"] == 2 * level["concurrency"] and not level["errors"]
+        assert 0 < level["first_audio_s"]["p50"] <= level["latency_s"]["p50"] and level["audio_s_per_s"] > 0
+    assert report["http"][1]["stagger_s"] > 0  # staggered: client 2 starts after client 1
+    table = format_report(report)
+    assert "engine.stream alone" in table and "HTTP x1" in table and "HTTP x2" in table
+
+    burst = run_api_bench(bundle=str(default_bundle_path), concurrency=(2,), stream=False, arrivals="burst",
+                          requests=1, texts=TEXTS)
+    assert burst["http"][0]["stagger_s"] == 0.0 and burst["http"][0]["requests"] == 2
+
+
+def test_bench_api_refuses_a_bad_concurrency_list(tmp_path: Path):
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "bench-api", "--concurrency", "1,x"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2 and "--concurrency" in result.stderr and "Traceback" not in result.stderr
