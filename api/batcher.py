@@ -5,9 +5,10 @@ Closed batches (VITS): the worker takes the oldest item, then waits (on a condit
 `Engine.synthesize_many`, which groups compatible requests into model calls. `capacity` bounds the items waiting.
 
 Continuous batching (CosyVoice, `Engine.continuous_batching`): no request waits for another's batch. When the
-engine is idle the first arrival may wait `timeout` for company (up to `batch_max` items); otherwise each item is
-handed at once to a thread of its own, and the engine's decode scheduler lets its rows join the running decode
-steps (`batch_max` bounds the rows decoded together). `capacity` bounds the requests in flight: waiting, rendering
+engine is idle the first arrival may wait `timeout` for company (up to `batch_max` items), and those start in one
+engine call on a thread of their own (one prefill); while anything runs, each new item is handed over at once to a
+thread of its own, and the engine's decode scheduler lets its rows join the running decode steps (`batch_max`
+bounds the rows decoded together). `capacity` bounds the requests in flight: waiting, rendering
 and streams (`admit`); beyond it, 503 with a Retry-After from the completions per second measured lately.
 
 Each item's `Future` carries its waveform or its error back to the waiting request thread. Items whose deadline
@@ -160,8 +161,7 @@ class SynthesisQueue:
             if batch is None:
                 return
             if batch and self._pool is not None:
-                for item in batch:
-                    self._pool.submit(self._render_alone, item)
+                self._pool.submit(self._render_apart, batch)
             elif batch:
                 try:
                     self._render(batch)
@@ -187,7 +187,7 @@ class SynthesisQueue:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            take = len(self._items) if self.continuous else min(self.batch_max, len(self._items))
+            take = 1 if self.continuous and self._running else min(self.batch_max, len(self._items))
             batch = [self._items.popleft() for _ in range(take)]
             if self.continuous:
                 self._running += len(batch)  # counted before the lock drops: in_flight never dips
@@ -210,16 +210,19 @@ class SynthesisQueue:
             with self._cond:
                 self._running -= 1
 
-    def _render_alone(self, item: Item) -> None:
-        """Continuous mode: one item on its own thread; its rows join the engine's running decode steps."""
+    def _render_apart(self, batch: list[Item]) -> None:
+        """Continuous mode, on a thread of its own: the items that arrived together (those that waited for company
+        on an idle engine, else one) start in one engine call, and their rows join the running decode steps."""
         try:
-            self._render([item])
-        except Exception as exc:  # noqa: BLE001 - a request thread must not leave its future unset
+            self._render(batch)
+        except Exception as exc:  # noqa: BLE001 - a request thread must not leave a future unset
             log.exception("request worker: unexpected error")
-            if not item.future.done():
-                item.future.set_exception(SynthesisError(f"{type(exc).__name__}: {exc}"))
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(SynthesisError(f"{type(exc).__name__}: {exc}"))
         finally:
-            self._done()
+            for _ in batch:
+                self._done()
 
     def _render(self, batch: list[Item]) -> None:
         start = time.perf_counter()

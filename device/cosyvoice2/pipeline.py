@@ -149,9 +149,10 @@ class CosyVoice2Pipeline(Pipeline):
             inputs = self._mode_inputs(request)
             rng = np.random.default_rng(request.seed)
             lm_inputs = [self._lm_input(segment, inputs) for segment in segments]
-            group = self._decoder.submit(lm_inputs, [len(segment.ids) for segment in segments], request.sampling == "greedy",
-                                         rng, request.pin_tokens, batch_max) if segments else None
+            group = self._decoder.group(lm_inputs, [len(segment.ids) for segment in segments], request.sampling == "greedy",
+                                        rng, request.pin_tokens, batch_max) if segments else None
             pending.append((inputs, rng, group))
+        self._decoder.enqueue([group for _, _, group in pending if group is not None])  # one prefill if they fit
         spoken = []  # (job, segment, prompt, tokens) of every segment that has speech tokens
         for job, (inputs, _, group) in enumerate(pending):
             for segment, tokens in enumerate(group.results() if group is not None else []):

@@ -118,15 +118,25 @@ class DecodeScheduler:
                stop: threading.Event | None = None) -> DecodeGroup:
         """Queue prompts [1, L, H] that decode together under one Generator; returns at once. `pin` = exactly
         that many tokens per row (benchmarks); `max_rows` bounds the batch the group joins; `stop` withdraws it."""
+        group = self.group(lm_inputs, n_text_tokens, greedy, rng, pin, max_rows, stop)
+        self.enqueue([group])
+        return group
+
+    def group(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
+              rng: np.random.Generator, pin: int | None = None, max_rows: int | None = None,
+              stop: threading.Event | None = None) -> DecodeGroup:
+        """A group for `enqueue` (the arguments of `submit`), not yet queued."""
         limits = [self._lm.config.min_max_len(n, pin) for n in n_text_tokens]
-        group = DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None, max_rows, stop)
+        return DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None, max_rows, stop)
+
+    def enqueue(self, groups: Sequence[DecodeGroup]) -> None:
+        """Queue groups at once, so that requests that arrived together are prefilled together."""
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cosyedge-decode", daemon=True)
                 self._thread.start()
-            self._waiting.append(group)
+            self._waiting.extend(groups)
             self._cond.notify()
-        return group
 
     def stream(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool, rng: np.random.Generator,
                pin: int | None = None, max_rows: int | None = None,

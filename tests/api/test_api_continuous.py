@@ -119,3 +119,20 @@ def test_retry_after_comes_from_the_measured_completions(cv2_tiny_bundle, tmp_pa
     queue = SynthesisQueue(engine, Metrics(), capacity=4, batch_max=8, timeout=0.0)
     queue._finished.extend([100.0, 110.0, 120.0])  # two completions in 20 s: 0.1 per second
     assert queue.retry_after(1) == 10 and queue.retry_after(3) == 30
+
+
+def test_first_arrival_waits_batch_timeout_for_company(cv2_tiny_bundle, tmp_path):
+    """Idle engine, batch_timeout 3 s: a request sent 0.3 s after the first joins its prefill (one prefill call for
+    both); once both are there (batch_max 2) nobody waits longer."""
+    engine = Engine.load(cv2_tiny_bundle, precision="fp32", warmup=False, state_dir=tmp_path,
+                         sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
+    with run_server(api_config(tmp_path, batch_max=2, batch_timeout_ms=3000), engine) as srv, \
+            ThreadPoolExecutor(2) as pool:
+        prefills = engine.describe()["decode"]["prefill_calls"]
+        body = {"text": SHORT, "voice": "tiny_spk_zh", "format": "pcm"}
+        first = pool.submit(srv.post, "/v1/tts", body)
+        _wait_for(lambda: srv.service.batcher.depth() == 1, "the first request never queued")
+        time.sleep(0.3)  # well inside the 3 s wait: the first request is still waiting for company
+        second = pool.submit(srv.post, "/v1/tts", body)
+        assert (first.result(T)[0], second.result(T)[0]) == (200, 200)
+        assert engine.describe()["decode"]["prefill_calls"] == prefills + 1
