@@ -110,8 +110,8 @@ def speak(route: str, job: Speech) -> Response:
     except BaseException as exc:  # deadline passed in the queue, service stopping: accepted, not delivered
         failed(exc)
         raise
-    if not job.stream:
-        service.metrics.observe("cosyedge_time_to_first_audio_seconds", time.monotonic() - started, stream="false")
+    service.metrics.observe("cosyedge_time_to_first_audio_seconds", time.monotonic() - started,  # VITS: 1st sentence
+                            stream=str(job.stream).lower())
     if job.stream:
         disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
         watch = _DeadlineWatch(batcher)
