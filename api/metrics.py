@@ -58,13 +58,8 @@ class Metrics:
                             for name, (text, labels, buckets) in _HISTOGRAMS.items()}
         self._gauges = {name: Gauge(name, text, registry=self.registry) for name, text in GAUGES.items()}
         self.gauge("cosyedge_rtf", self._rtf)
-        self._occupancy: Callable[[], dict[int, int]] = dict
-
-        class _Occupancy:  # a histogram counted by the engine's scheduler, read at scrape time
-            def collect(inner) -> list[HistogramMetricFamily]:  # noqa: N805
-                return [count_histogram(*OCCUPANCY, self._occupancy(), BATCH_BUCKETS)]
-
-        self.registry.register(_Occupancy())
+        self._occupancy = _CountHistogram(*OCCUPANCY, BATCH_BUCKETS)
+        self.registry.register(self._occupancy)
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
         counter = self._counters[name]
@@ -80,7 +75,7 @@ class Metrics:
 
     def occupancy(self, read: Callable[[], dict[int, int]]) -> None:
         """Where the decode-row occupancy histogram comes from: steps by rows (`Engine.decode_occupancy`)."""
-        self._occupancy = read
+        self._occupancy.read = read
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (0 if it has none yet): for tests and the bench."""
@@ -94,8 +89,17 @@ class Metrics:
         return self.value("cosyedge_compute_seconds_total") / audio if audio else 0.0
 
 
-def count_histogram(name: str, text: str, counts: dict[int, int], buckets: tuple[int, ...]) -> HistogramMetricFamily:
-    """A Prometheus histogram of exact counts (value -> occurrences) kept elsewhere."""
-    cumulative = [(str(float(le)), sum(n for v, n in counts.items() if v <= le)) for le in buckets]
-    cumulative.append(("+Inf", sum(counts.values())))
-    return HistogramMetricFamily(name, text, buckets=cumulative, sum_value=sum(v * n for v, n in counts.items()))
+
+class _CountHistogram:
+    """A Prometheus histogram of exact counts (value -> occurrences) kept elsewhere, read at scrape time."""
+
+    def __init__(self, name: str, text: str, buckets: tuple[int, ...]) -> None:
+        self.name, self.text, self.buckets = name, text, buckets
+        self.read: Callable[[], dict[int, int]] = dict
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        counts = self.read()
+        cumulative = [(str(float(le)), sum(n for v, n in counts.items() if v <= le)) for le in self.buckets]
+        cumulative.append(("+Inf", sum(counts.values())))
+        return [HistogramMetricFamily(self.name, self.text, buckets=cumulative,
+                                      sum_value=sum(v * n for v, n in counts.items()))]
