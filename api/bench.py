@@ -61,8 +61,6 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
 def engine_only(engine: Any, texts: Sequence[str], voice: str | None = None) -> dict[str, Any]:
     """First chunk and whole-stream seconds of `Engine.stream` for each text, one at a time."""
     first, total, audio = [], [], 0.0
-    for _ in engine.stream(texts[0], voice=voice):  # warm-up, as the HTTP phase has its own
-        pass
     for text in texts:
         start = time.perf_counter()
         chunks = engine.stream(text, voice=voice)
@@ -147,8 +145,8 @@ def run_api_bench(url: str | None = None, bundle: str | None = None, target: str
                                  voice, engine)
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    warm = {"text": texts[0], "format": "pcm", **({"voice": voice} if voice else {})}
-    _post(host, port, warm)
+    if _engine is None:  # a running service may be cold; an in-process one is warm (engine load + readiness)
+        _post(host, port, {"text": texts[0], "format": "pcm", **({"voice": voice} if voice else {})})
     report: dict[str, Any] = {"url": url, "bundle": bundle or "default voice", "target": target,
                               "machine": platform.machine(), "python": platform.python_version(), "stream": stream,
                               "arrivals": arrivals, "texts": len(texts), "requests_per_client": requests}
