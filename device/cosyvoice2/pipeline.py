@@ -140,10 +140,10 @@ class CosyVoice2Pipeline(Pipeline):
                         batch_max: int) -> list[list[np.ndarray]]:
         """Several requests at once, one waveform per segment, whatever their options. `batch_max` bounds the
         rows decoded together (within DECODE_ROWS); the flow batches (FLOW_ROWS) size themselves. Every job's
-        segments go to the decode scheduler together (one group, one Generator) before any job waits, so all of them share decode steps; then the segments of all
-        jobs run through the flow in padded batches of similar lengths (each row with its own voice prompt), and
-        through HiFT one by one (its non-causal convolutions would see another row's padding). A job's result is
-        what it gives alone."""
+        segments go to the decode scheduler as one group (one Generator), all groups at once before any job waits,
+        so they share a prefill and decode steps; then the segments of all jobs run through the flow in padded
+        batches of similar lengths (each row with its own voice prompt), and through HiFT one by one (its non-causal
+        convolutions would see another row's padding). A job's result is what it gives alone."""
         pending = []
         for segments, request in jobs:
             inputs = self._mode_inputs(request)
