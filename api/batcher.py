@@ -133,7 +133,8 @@ class SynthesisQueue:
         """
         items = [Item(list(segments), request, deadline) for segments, request in jobs]
         with self._cond:
-            if not admitted and (self.in_flight() if self.continuous else len(self._items)) + len(items) > self.capacity:
+            waiting = self.in_flight() if self.continuous else len(self._items)
+            if not admitted and waiting + len(items) > self.capacity:
                 raise self._refuse(len(items))
             self._items.extend(items)
             self._cond.notify()

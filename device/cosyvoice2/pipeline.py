@@ -32,7 +32,8 @@ from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
 from cosyedge.device.cosyvoice2.streaming import ChunkGate, stream_tokens
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
 from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
-from cosyedge.device.errors import BundleError, Cancelled, EmptyTextError, FixedVoicesError, InputError, UnknownVoiceError
+from cosyedge.device.errors import (BundleError, Cancelled, EmptyTextError, FixedVoicesError, InputError,
+                                    UnknownVoiceError)
 from cosyedge.device.options import Segment, SynthesisOptions
 from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
@@ -149,8 +150,9 @@ class CosyVoice2Pipeline(Pipeline):
             inputs = self._mode_inputs(request)
             rng = np.random.default_rng(request.seed)
             lm_inputs = [self._lm_input(segment, inputs) for segment in segments]
-            group = self._decoder.group(lm_inputs, [len(segment.ids) for segment in segments], request.sampling == "greedy",
-                                        rng, request.pin_tokens, batch_max) if segments else None
+            group = self._decoder.group(lm_inputs, [len(segment.ids) for segment in segments],
+                                        request.sampling == "greedy", rng, request.pin_tokens,
+                                        batch_max) if segments else None
             pending.append((inputs, rng, group))
         self._decoder.enqueue([group for _, _, group in pending if group is not None])  # one prefill if they fit
         spoken = []  # (job, segment, prompt, tokens) of every segment that has speech tokens
@@ -214,7 +216,8 @@ class CosyVoice2Pipeline(Pipeline):
         withdrawn (cross-request LLM batching at work). `describe()["decode"]` has the full counters."""
         stats = self._decoder.stats()
         return {"decode_steps": float(stats["decode_steps"]), "decode_rows_mean": float(stats["mean_rows"]),
-                "decode_active_rows": float(stats["active_rows"]), "decode_rows_cancelled": float(stats["cancelled_rows"])}
+                "decode_active_rows": float(stats["active_rows"]),
+                "decode_rows_cancelled": float(stats["cancelled_rows"])}
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "precision": dict(self._precision),
