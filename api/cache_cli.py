@@ -11,20 +11,27 @@ import json
 import sys
 from pathlib import Path
 
-from cosyedge.api.cache import FOLDER, Entry, PhraseCache, content_type, open_cache
-from cosyedge.api.config import TARGETS, ServiceConfig, load_config
-from cosyedge.device import CosyedgeError, InputError, Line, encode, read_lines, run_lines, to_audio_segment
+from typing import TYPE_CHECKING
+
+from cosyedge.device.errors import CosyedgeError, InputError
+
+if TYPE_CHECKING:
+    from cosyedge.api.config import ServiceConfig
+    from cosyedge.device import Line
 
 DEAD_LETTER = "warm_dead_letter.jsonl"  # in the cache folder; `clear` leaves it
 
 
-def _config(args: argparse.Namespace) -> ServiceConfig:
+def _config(args: argparse.Namespace) -> "ServiceConfig":
+    from cosyedge.api.config import load_config
     return load_config(args.config, state_dir=args.state_dir, bundle=getattr(args, "bundle", None),
                        precision=getattr(args, "precision", None), target=getattr(args, "target", None))
 
 
 def warm(args: argparse.Namespace) -> int:
+    from cosyedge.api.cache import FOLDER, Entry, content_type, open_cache
     from cosyedge.api.server import load_engine
+    from cosyedge.device import encode, read_lines, run_lines, to_audio_segment
     config = _config(args)
     if config.cache_max_mb <= 0:
         raise InputError("the phrase cache is off (cache_max_mb = 0); nothing to warm")
@@ -38,10 +45,10 @@ def warm(args: argparse.Namespace) -> int:
                          "from the cache; add --seed N (or --deterministic, and for CosyVoice --sampling greedy)")
     rate = engine.sample_rate
 
-    def key(line: Line) -> str:
+    def key(line: "Line") -> str:
         return cache.key(engine, engine.segments(line.text), options, args.format) or ""
 
-    def render(line: Line) -> float:
+    def render(line: "Line") -> float:
         segments = engine.segments(line.text)
         wave = engine.synthesize_many([(segments, options)])[0]  # what the service's queue runs for one request
         audio = encode(to_audio_segment(wave, rate), args.format)
@@ -49,7 +56,7 @@ def warm(args: argparse.Namespace) -> int:
         cache.put(key(line), Entry(audio, content_type(args.format, rate), seconds))
         return seconds
 
-    def done(line: Line) -> bool:
+    def done(line: "Line") -> bool:
         try:
             return cache.has(key(line))
         except CosyedgeError:
@@ -64,12 +71,14 @@ def warm(args: argparse.Namespace) -> int:
 
 
 def stats(args: argparse.Namespace) -> int:
+    from cosyedge.api.cache import open_cache
     config = _config(args)
     print(json.dumps(open_cache(config.state_dir, config.cache_max_mb).stats()))
     return 0
 
 
 def clear(args: argparse.Namespace) -> int:
+    from cosyedge.api.cache import open_cache
     config = _config(args)
     removed = open_cache(config.state_dir, config.cache_max_mb).clear()
     print(f"removed {removed} cached phrase(s)", file=sys.stderr)
@@ -91,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     warm_parser.add_argument("phrases")
     warm_parser.add_argument("--bundle", help="bundle directory (default: the service's)")
     warm_parser.add_argument("--precision", help="fp32, fp16, int8 or auto (default: the service's)")
-    warm_parser.add_argument("--target", choices=TARGETS)
+    warm_parser.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
     warm_parser.add_argument("--voice")
     warm_parser.add_argument("--speed", type=float, default=1.0)
     warm_parser.add_argument("--format", default="wav", choices=["wav", "mp3", "flac", "opus", "aac", "pcm"])

@@ -97,6 +97,9 @@ def serve(config: ServiceConfig) -> int:
         announced = threading.Event()  # systemd enforces the watchdog from READY=1 on; pings start then
         warm = service.start(engine, heartbeat=(lambda: announced.is_set() and notify("WATCHDOG=1"))
                              if interval else None, heartbeat_interval=interval)
+        if config.wyoming_uri:  # same engine and queue as HTTP
+            from cosyedge.api.wyoming import start_for_service
+            start_for_service(service, config.wyoming_uri)
         notify(f"READY=1\nSTATUS=ready: {engine.bundle.manifest.name} on {config.host}:{port}")
         announced.set()
         log.info("ready: %s (%s), warm-up through the queue %.2f s", engine.bundle.manifest.name, engine.precision, warm)
