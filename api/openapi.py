@@ -25,7 +25,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 _AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mono little-endian). With stream=true "
                          "the body is chunked, sentence by sentence (wav: unknown-length header, then pcm16)",
-          "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}}},
+          "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}},
+                      "X-Cosyedge-Cache": {"schema": {"enum": ["hit", "miss"]}, "description": "served from the phrase cache"}},
           "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
                       "audio/L16": {}}}
 _SYNTH_ERRORS = (400, 401, 413, 415, 429, 431, 500, 503, 504)
@@ -113,6 +114,12 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                                                        "content": {"text/plain": {}}}, **_errors(401)}}},
             "/openapi.json": {"get": {"summary": "This document",
                                       "responses": {"200": _json({"type": "object"}), **_errors(401)}}},
+            "/v1/bundle": {"get": {"summary": "The loaded bundle: name, family, sample rate, selection, quality report",
+                                   "responses": {"200": _json({"type": "object"}), **_errors(401, 503)}}},
+            **{path: {"get": {"summary": f"The local control page: {what} (package files, no external assets)",
+                              "responses": {"200": {"description": what, "content": {kind: {}}}, **_errors(401)}}}
+               for path, what, kind in (("/", "the page", "text/html"), ("/page.js", "its script", "text/javascript"),
+                                        ("/page.css", "its style sheet", "text/css"))},
         },
         "components": {"schemas": {
             "ErrorBody": {"type": "object", "required": ["code", "message", "type"],

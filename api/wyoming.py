@@ -200,7 +200,10 @@ async def serve_async(tts: WyomingTts, uri: str, started: Callable[[int], None] 
     server = await asyncio.start_server(client, host, port)
     bound = server.sockets[0].getsockname()[1]
     if zeroconf is not None:
-        from wyoming.zeroconf import HomeAssistantZeroconf  # needs the `zeroconf` package: only with the flag
+        try:
+            from wyoming.zeroconf import HomeAssistantZeroconf  # needs the `zeroconf` package: only with the flag
+        except ImportError:
+            raise InputError("--zeroconf needs the zeroconf package (pip install zeroconf)") from None
         await HomeAssistantZeroconf(port=bound, name=zeroconf or None).register_server()
     started(bound)
     async with server:
