@@ -208,7 +208,10 @@ def install(app: Flask, state_dir: str | None, max_mb: float, registry) -> None:
 def answer(engine: Engine, job, speak: Callable[[], Response]) -> Response:
     """`speak()`'s answer to the job, or the cached one; says which in `X-Cosyedge-Cache` (streams: always miss)."""
     http: HttpCache | None = current_app.extensions.get(EXTENSION)
-    key = None if http is None or job.stream else http.cache.key(engine, job.segments, job.options, job.format)
+    try:
+        key = None if http is None or job.stream else http.cache.key(engine, job.segments, job.options, job.format)
+    except OSError:  # a registered voice's file vanished under us: answer uncached
+        key = None
     entry = http.cache.get(key) if key else None
     if entry is not None:
         http.hits.inc()

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import socket
 import statistics
 import time
 from typing import Any
@@ -100,10 +101,17 @@ def first_audio(http_port: int, wyoming_port: int, extra: dict[str, Any], rounds
     return report
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def run(bundle: str | None, rounds: int, stream_rounds: int) -> dict[str, Any]:
     wyoming_port = free_port()
     env = {"COSYEDGE_WYOMING_URI": f"tcp://127.0.0.1:{wyoming_port}", "COSYEDGE_REQUEST_TIMEOUT_S": "3600"}
     with ServiceProcess(bundle=bundle, env=env, ready_timeout_s=1800) as service:
+        while not _listening(wyoming_port):  # Wyoming listens just after /readyz
+            time.sleep(0.05)
         conn = http.client.HTTPConnection("127.0.0.1", service.port, timeout=60)
         conn.request("GET", "/v1/bundle")
         family = json.loads(conn.getresponse().read())["family"]

@@ -32,7 +32,7 @@ from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped, SynthesizeVoice
 
 from cosyedge.api.errors import ApiError
-from cosyedge.device import CosyedgeError, Engine, InputError, Segment, SynthesisOptions, to_pcm16
+from cosyedge.device import CosyedgeError, EmptyTextError, Engine, InputError, Segment, SynthesisOptions, to_pcm16
 
 log = logging.getLogger("cosyedge.wyoming")
 
@@ -154,7 +154,7 @@ class Handler(AsyncEventHandler):
             return
         try:
             segments = await self._segments(stream.text)
-        except CosyedgeError:
+        except EmptyTextError:
             if final and stream.spoken == 0:
                 raise
             return  # nothing speakable yet (a chunk of spaces or punctuation)

@@ -36,6 +36,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_listening(port: int, alive=lambda: True) -> None:
+    """Until something accepts on the port; `alive()` is True while the server process runs (else its log)."""
+    deadline = time.monotonic() + T
+    while True:
+        assert alive() is True, alive()
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, "the Wyoming server never listened"
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def wyoming_port(cosyedge_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     port = _free_port()
@@ -45,15 +58,7 @@ def wyoming_port(cosyedge_home: Path, tmp_path_factory: pytest.TempPathFactory) 
                                f"tcp://127.0.0.1:{port}", "--deterministic", "--precision", "fp32"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + T
-        while True:
-            assert server.poll() is None, server.stdout.read()[-2000:]
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the Wyoming server never listened"
-                time.sleep(0.1)
+        _wait_listening(port, lambda: server.poll() is None or server.stdout.read()[-2000:])
         yield port
     finally:
         server.terminate()
@@ -151,6 +156,7 @@ def test_streamed_text_is_spoken_sentence_by_sentence_as_it_arrives(wyoming_port
     ([SynthesizeChunk(text="Hello.").event()], "invalid_input"),
     ([Event(type="synthesize", data={"voice": {"name": "joe"}})], "bad_request"),
     ([SynthesizeStart().event(), SynthesizeChunk(text="...").event(), SynthesizeStop().event()], "empty_text"),
+    ([SynthesizeStart().event(), SynthesizeChunk(text="Hello there" + "!" * 2100).event()], "text_too_long"),
 ])
 def test_bad_input_is_an_error_event_and_the_connection_stays_usable(wyoming_port, events, code):
     async def go() -> tuple[Error, Event]:
@@ -173,6 +179,7 @@ def test_serve_with_wyoming_shares_the_engine_and_queue(cosyedge_home):
     port = _free_port()
     with ServiceProcess(env={"COSYEDGE_WYOMING_URI": f"tcp://127.0.0.1:{port}", "COSYEDGE_HOME": str(cosyedge_home),
                              "COSYEDGE_THREADS": "1"}) as service:
+        _wait_listening(port)  # /readyz answers 200 a moment before Wyoming listens (READY=1 waits for both)
         def batches() -> float:
             text = requests.get(service.url + "/metrics", timeout=T).text
             return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("cosyedge_batches_total"))
