@@ -209,3 +209,13 @@ def test_the_wyoming_unit_passes_systemd_analyze_verify(tmp_path):
     if result.returncode != 0 and "cosyedge" not in output:
         pytest.skip(f"systemd-analyze verify cannot run in this environment: {output.strip()[:200]}")
     assert result.returncode == 0 and not [line for line in output.splitlines() if "cosyedge" in line], output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--uri", "tcp://0.0.0.0:10200"], "refusing to listen on 0.0.0.0"),
+    (["--uri", "http://127.0.0.1:10200"], "--uri must look like tcp://"),
+])
+def test_wyoming_refuses_non_loopback_and_bad_uris_in_one_line(args, message, cosyedge_home):
+    run = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "wyoming", *args], capture_output=True, text=True,
+                         timeout=T, env={**os.environ, "COSYEDGE_HOME": str(cosyedge_home)})
+    assert run.returncode == 2 and message in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
