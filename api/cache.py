@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from flask import Flask, Response, current_app
 from prometheus_client import Counter, Gauge
@@ -64,6 +64,7 @@ class PhraseCache:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._hashes: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime) -> sha256 of a voice file
+        self._bundles: dict[int, tuple[Any, str]] = {}  # id(bundle) -> (the bundle, sha256 of its manifest)
 
     # -- keys --------------------------------------------------------------------------------------
     def key(self, engine: Engine, segments: Sequence[Segment], options: SynthesisOptions, fmt: str,
@@ -74,9 +75,20 @@ class PhraseCache:
         voice_file = engine.voice_file(options.voice)
         material = {"schema": _SCHEMA, "segments": [[s.text, list(s.ids)] for s in segments],
                     "options": asdict(options), "format": fmt, "rate": engine.sample_rate, "out_rate": sample_rate,
-                    "bundle": hashlib.sha256(engine.bundle.manifest.to_json().encode()).hexdigest(),
+                    "bundle": self._bundle_hash(engine),
                     "selection": engine.precision, "voice_file": self._file_hash(voice_file) if voice_file else None}
         return hashlib.sha256(json.dumps(material, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+    def _bundle_hash(self, engine: Engine) -> str:
+        """sha256 of the bundle's manifest (it lists every graph's sha256), once per loaded bundle."""
+        bundle = engine.bundle
+        with self._lock:
+            known = self._bundles.get(id(bundle))
+        if known is None or known[0] is not bundle:
+            known = (bundle, hashlib.sha256(bundle.manifest.to_json().encode()).hexdigest())
+            with self._lock:
+                self._bundles[id(bundle)] = known
+        return known[1]
 
     def _file_hash(self, path: Path) -> str:
         """sha256 of a file, remembered while its inode, size and mtime stay (a re-registration renames a new one in)."""
