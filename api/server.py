@@ -180,6 +180,10 @@ class _Gunicorn(BaseApplication):
         if not service.drain(DRAIN_SECONDS):
             log.warning("stopping with requests still under way after %.0f s", DRAIN_SECONDS)
         service.stop()
+        if worker.booted:  # skip the C++ static destructors (ONNX Runtime aborts in them in a forked child)
+            logging.shutdown()
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(0)
 
 
 def serve(config: ServiceConfig) -> int:
