@@ -1,7 +1,8 @@
 """WebSocket `GET /v1/audio/stream`: text in pieces (an LLM's output) in; audio and subtitle timings out.
 
 Protocol (issue 11, api/README.md): the client sends JSON text frames: `start` (voice, format pcm|wav|mp3|opus,
-optional sample_rate, speed, model, deterministic, seed), any number of `text`, then `end`; `cancel` stops at once.
+optional sample_rate, speed, model, deterministic,
+seed, sampling), any number of `text`, then `end`; `cancel` stops at once.
 The server sends binary audio frames as they are made, a `segment` event per sentence once its audio is complete
 (start_s/end_s on the output audio's clock), then `done` with audio_s; an error is an `error` event followed by
 a normal close (1000), never a dropped connection.
@@ -160,8 +161,12 @@ class Session:
         deterministic = message.get("deterministic", False)
         if not isinstance(deterministic, bool):
             raise SessionError("invalid_parameter", "deterministic must be true or false")
+        sampling = message.get("sampling", "default")
+        if not isinstance(sampling, str):
+            raise SessionError("invalid_parameter", "sampling must be default or greedy")
         self.params = {"voice": self.service.aliases.get(voice, voice) if isinstance(voice, str) else voice,
-                       "speed": message.get("speed", 1.0), "deterministic": deterministic, "seed": message.get("seed")}
+                       "speed": message.get("speed", 1.0), "deterministic": deterministic, "seed": message.get("seed"),
+                       "sampling": sampling}
         engine.options(**self.params)  # validated once, here: the errors come before any audio
         self.release = current_guard().streams.acquire(self.client)
         self.rate, self.started = engine.sample_rate, True
