@@ -147,7 +147,8 @@ def test_cancel_stops_the_audio(joe):
     ([_start(format="flac")], "unknown_format"),
     ([_start(format="pcm", sample_rate=8000)], "unsupported_sample_rate"),
     ([_start(speed=9)], "invalid_parameter"),
-    ([_start(), {"type": "end"}, {"type": "text", "text": "Late."}], "bad_message"),
+    ([_start(), _start()], "bad_message"),
+    ([_start(), {"type": "text", "text": "x" * 2001}], "text_too_long"),
 ])
 def test_bad_messages_get_an_error_event_then_a_normal_close(joe, messages, code):
     reply = _talk(joe, messages)
