@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cosyedge.serve")
 DRAIN_SECONDS = 10.0  # below the units' TimeoutStopSec=20
-MAX_HEADER_BYTES = 32 << 10  # the request line and headers together; the app also bounds the header count
+MAX_HEADER_BYTES = 32 << 10  # the in-process server: the request line and headers together
+MAX_HEADER_LINE = 8190  # `serve` (gunicorn): the request line, and each header line; 64 of them (MAX_HEADERS)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -137,8 +138,8 @@ class _Gunicorn(BaseApplication):
         threads = self.config.http_threads
         settings = {"workers": 1, "worker_class": _Worker, "threads": threads, "worker_connections": max(100, threads * 4),
                     "graceful_timeout": int(DRAIN_SECONDS), "timeout": 60, "keepalive": 5, "loglevel": "warning",
-                    "accesslog": None, "errorlog": "-", "proc_name": "cosyedge", "limit_request_line": 8190,
-                    "limit_request_fields": MAX_HEADERS, "limit_request_field_size": MAX_HEADER_BYTES,
+                    "accesslog": None, "errorlog": "-", "proc_name": "cosyedge", "limit_request_line": MAX_HEADER_LINE,
+                    "limit_request_fields": MAX_HEADERS, "limit_request_field_size": MAX_HEADER_LINE,
                     "post_fork": self._post_fork, "post_worker_init": self._post_worker_init,
                     "worker_exit": self._worker_exit}
         for key, value in settings.items():

@@ -6,6 +6,7 @@ bad messages get an `error` event and a normal close; a pcm WebSocket stream equ
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -15,8 +16,10 @@ import pytest
 import requests
 import websocket
 
+from cosyedge.api.app import MAX_HEADERS
 from cosyedge.api.bench_ws import measure_ws
 from cosyedge.api.harness import ServiceProcess
+from cosyedge.api.server import MAX_HEADER_LINE
 
 T = 120  # seconds: a bound for every call, never an expectation
 KEY = "k3y-" + "0123456789abcdef0123456789ab"
@@ -147,6 +150,7 @@ def test_cancel_stops_the_audio(joe):
     ([_start(format="flac")], "unknown_format"),
     ([_start(format="pcm", sample_rate=8000)], "unsupported_sample_rate"),
     ([_start(speed=9)], "invalid_parameter"),
+    ([_start(model="gpt-5")], "unknown_model"),
     ([_start(), _start()], "bad_message"),
     ([_start(), {"type": "text", "text": "x" * 2001}], "text_too_long"),
 ])
@@ -174,10 +178,49 @@ def test_the_key_and_the_per_client_stream_bound(joe):
             ws.close()
 
 
+def test_serve_bounds_header_lines_and_their_number(joe):
+    for headers in ({"X-Big": "a" * (MAX_HEADER_LINE + 1)}, {f"X-N{i}": "1" for i in range(MAX_HEADERS + 1)}):
+        assert requests.get(joe.url + "/healthz", headers=headers, timeout=T).status_code == 431
+    assert requests.get(joe.url + "/healthz", headers={"X-Fine": "a" * 4000}, timeout=T).status_code == 200
+
+
 def test_bench_ws_measures_first_audio_and_total(joe):
     result = measure_ws(_ws_url(joe), PIECES, api_key=KEY)
     assert 0 < result["first_audio_s"] <= result["total_s"] and result["segments"] == 3
     assert result["audio_s"] > 1.0
+
+
+def test_idle_timeout_rate_limit_and_sigterm(cosyedge_home, default_bundle_path, tmp_path):
+    env = _env(cosyedge_home, tmp_path, COSYEDGE_REQUEST_TIMEOUT_S="3", COSYEDGE_RATE_LIMIT_PER_S="0.001",
+               COSYEDGE_RATE_LIMIT_BURST="2")
+    with ServiceProcess(env=env) as service:
+        idle = _talk(service, [_start()], headers={})  # then nothing: the session gives its thread back
+        assert idle.close_code == 1000 and idle.events[-1]["code"] == "idle_timeout", idle.events
+        ws = websocket.create_connection(_ws_url(service), timeout=T)
+        with pytest.raises(websocket.WebSocketBadStatusException) as limited:
+            websocket.create_connection(_ws_url(service), timeout=T)
+        assert limited.value.status_code == 429  # the handshake is rate-limited like an HTTP synthesis request
+        ws.send(json.dumps(_start()))
+        ws.send(json.dumps({"type": "text", "text": "Before the stop. "}))
+        events = []
+        while not events:
+            opcode, data = ws.recv_data()
+            if opcode == websocket.ABNF.OPCODE_TEXT:
+                events.append(json.loads(data))
+        assert events[0]["type"] == "segment"
+        service.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the worker has the signal; the session is still open
+        ws.send(json.dumps({"type": "text", "text": "After the stop. "}))
+        while True:
+            opcode, data = ws.recv_data()
+            if opcode == websocket.ABNF.OPCODE_TEXT:
+                events.append(json.loads(data))
+            elif opcode == websocket.ABNF.OPCODE_CLOSE:
+                break
+        ws.close()
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "shutting_down", events
+        assert int.from_bytes(data[:2], "big") == 1000
+        assert service.proc.wait(timeout=30) == 0, service.log_tail()
 
 
 def test_pieces_round_trip_on_cosyvoice2(cv2_tiny_bundle, cosyedge_home, tmp_path):
