@@ -10,8 +10,8 @@ Start-up: the port is bound here first (a refused bind is one line and exit 2, a
 one request has gone through the batch queue. The arbiter never announces readiness itself (NOTIFY_SOCKET is
 hidden from it and given back to the worker), so the units say NotifyAccess=all. WATCHDOG=1 pings come from
 the engine worker's loop; a hung engine makes systemd restart the service. SIGTERM: the worker stops
-accepting, WebSocket sessions end with a `shutting_down` event, requests under way finish (DRAIN_SECONDS),
-STOPPING=1, exit 0. SIGKILL of the arbiter takes the worker with it (PR_SET_PDEATHSIG), so a killed service
+accepting and says STOPPING=1, WebSocket sessions end with a `shutting_down` event before their next sentence,
+requests under way finish (DRAIN_SECONDS), exit 0. SIGKILL of the arbiter takes the worker with it (PR_SET_PDEATHSIG), so a killed service
 leaves no orphan answering requests or writing the journal.
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from cosyedge.device.engine import Engine
 
 log = logging.getLogger("cosyedge.serve")
-DRAIN_SECONDS = 10.0  # below the units' TimeoutStopSec=20
+DRAIN_SECONDS = 10.0  # gunicorn's graceful timeout, below the units' TimeoutStopSec=20
+FINAL_DRAIN_SECONDS = 2.0  # then, in the worker: requests still finishing their last bytes
 MAX_HEADER_BYTES = 32 << 10  # the in-process server: the request line and headers together
 MAX_HEADER_LINE = 8190  # `serve` (gunicorn): the request line, and each header line; 64 of them (MAX_HEADERS)
 _PR_SET_PDEATHSIG = 1
@@ -121,6 +122,8 @@ class _Worker(ThreadWorker):
     service: "Service | None" = None  # set once the app is loaded (post_worker_init)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.alive:
+            notify("STOPPING=1")
         if self.service is not None:
             self.service.ready.clear()
         super().handle_exit(sig, frame)
@@ -174,11 +177,12 @@ class _Gunicorn(BaseApplication):
             os.kill(os.getppid(), signal.SIGTERM)
 
     def _worker_exit(self, _arbiter: Any, worker: _Worker) -> None:
+        """After gthread's graceful wait (DRAIN_SECONDS; the arbiter kills the worker then): the last close hooks,
+        then the queue and the journal are closed. A request still open is dead-lettered at the next start."""
         service = worker.service
-        notify("STOPPING=1")
         if service is None:
             return
-        if not service.drain(DRAIN_SECONDS):
+        if not service.drain(FINAL_DRAIN_SECONDS):
             log.warning("stopping with requests still under way after %.0f s", DRAIN_SECONDS)
         service.stop()
         if worker.booted:  # skip the C++ static destructors (ONNX Runtime aborts in them in a forked child)
