@@ -48,4 +48,7 @@ def measure_ws(url: str, pieces: Sequence[str], voice: str | int | None = None, 
     except ConnectionClosed:
         raise RuntimeError("the server closed the WebSocket before `done`") from None
     finally:
-        ws.close()
+        try:
+            ws.close()
+        except ConnectionClosed:  # the server closed first, after `done` or `error`
+            pass
