@@ -105,10 +105,9 @@ class Session:
             self._serve()
             self._send_json({"type": "done", "audio_s": self._clock(self.samples)})
         except _Cancelled:
+            self._close_encoder()  # no encoded audio after `done`
             self._send_json({"type": "done", "audio_s": self._clock(self.samples), "cancelled": True})
-        except SessionError as exc:
-            self._send_error(exc.code, exc.message)
-        except ApiError as exc:
+        except (SessionError, ApiError) as exc:
             self._send_error(exc.code, exc.message)
         except CosyedgeError as exc:
             error = ApiError.from_device(exc)
@@ -121,10 +120,12 @@ class Session:
             log.exception("websocket session failed")
             self._send_error("internal_error", "internal error")
         finally:
-            if self.encoder is not None:
-                self.encoder.close()
+            self._close_encoder()
             self.release()
-            self.ws.close()
+            try:
+                self.ws.close()
+            except ConnectionClosed:  # the client closed first
+                pass
 
     def _serve(self) -> None:
         first = self._receive(block=True)
@@ -246,7 +247,13 @@ class Session:
     def _send_json(self, event: dict[str, Any]) -> None:
         self._send(json.dumps(event))
 
+    def _close_encoder(self) -> None:
+        if self.encoder is not None:
+            self.encoder.close()
+            self.encoder = None
+
     def _send_error(self, code: str, message: str) -> None:
+        self._close_encoder()
         try:
             self._send_json({"type": "error", "code": code, "message": message})
         except ConnectionClosed:

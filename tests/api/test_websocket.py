@@ -6,6 +6,7 @@ bad messages get an `error` event and a normal close; a pcm WebSocket stream equ
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -176,6 +177,28 @@ def test_the_key_and_the_per_client_stream_bound(joe):
     finally:
         for ws in held:
             ws.close()
+
+
+def test_clients_that_leave_mid_stream_give_their_slots_back(joe):
+    sentences = [{"type": "text", "text": f"Sentence {i} goes on for a while before it ends. "} for i in range(40)]
+    for fmt in ("mp3", "pcm"):  # as many sessions as the client has slots; each leaves without a close frame
+        ws = websocket.create_connection(_ws_url(joe), timeout=T, header=AUTH)
+        for message in [_start(format=fmt), *sentences, {"type": "end"}]:
+            ws.send(json.dumps(message))
+        while ws.recv_data()[0] != websocket.ABNF.OPCODE_BINARY:
+            pass
+        ws.sock.close()  # gone, mid-stream
+    for _ in range(300):  # bounded: the server notices at its next send
+        reply = _talk(joe, [_start(), {"type": "text", "text": "Still here."}, {"type": "end"}])
+        if not reply.of("error"):
+            break
+        assert reply.events[-1]["code"] == "too_many_streams"
+        time.sleep(0.1)
+    _check_round_trip(reply, 22050, ["Still here."])
+    log = joe.log_tail(200_000)
+    left = [int(n) for n in re.findall(r"websocket client left after (\d+) segments", log)]
+    assert len(left) >= 2 and all(n < 40 for n in left), left  # they stopped; not spoken to the end
+    assert "unhandled" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_serve_bounds_header_lines_and_their_number(joe):
