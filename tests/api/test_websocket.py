@@ -10,6 +10,7 @@ import re
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -94,6 +95,13 @@ def joe(cosyedge_home, default_bundle_path, tmp_path_factory) -> Iterator[Servic
     env = _env(cosyedge_home, None, COSYEDGE_API_KEY=KEY, COSYEDGE_MAX_STREAMS_PER_CLIENT="2")
     with ServiceProcess(env=env) as service:
         yield service
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
 
 
 def _start(**extra: Any) -> dict[str, Any]:
@@ -254,5 +262,13 @@ def test_pieces_round_trip_on_cosyvoice2(cv2_tiny_bundle, cosyedge_home, tmp_pat
         _check_round_trip(reply, 24000, ["收到好友从远方寄来的生日礼物。", "今天天气很好"])
         cancelled = _talk(service, [start, {"type": "text", "text": "收到好友从远方寄来的生日礼物。" * 6},
                                     {"type": "end"}], headers={}, cancel_after_audio=True)
+        workers = Path(f"/proc/{service.pid}/task/{service.pid}/children").read_text().split()
+        assert len(workers) == 1  # gunicorn's one worker process holds the engine
+        assert service.kill() == -signal.SIGKILL
+        for _ in range(100):  # bounded: the worker does not outlive the service (PR_SET_PDEATHSIG)
+            if not _alive(int(workers[0])):
+                break
+            time.sleep(0.05)
+        assert not _alive(int(workers[0])), "the worker outlived a SIGKILL of the service"
     assert cancelled.close_code == 1000 and cancelled.events[-1].get("cancelled"), cancelled.events
     assert len(cancelled.of("segment")) < 6
