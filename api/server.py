@@ -116,6 +116,27 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether the client closed its side (or reset it); a peek that never blocks and consumes nothing."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False  # nothing to read: still there
+    except OSError:
+        return True
+
+
+def _with_disconnect_probe(wsgi_app: Any) -> Any:
+    """The streaming code asks `environ["waitress.client_disconnected"]()` whether its client left (waitress's
+    name for it); under gunicorn the same question is answered by peeking at the request's socket."""
+    def app(environ: dict[str, Any], start_response: Any) -> Any:
+        sock = environ.get("gunicorn.socket")
+        if sock is not None:
+            environ.setdefault("waitress.client_disconnected", lambda: peer_closed(sock))
+        return wsgi_app(environ, start_response)
+    return app
+
+
 class _Worker(ThreadWorker):
     """gthread, plus: on SIGTERM readiness goes off at once, so /readyz says 503 and WebSocket sessions end."""
 
@@ -149,7 +170,9 @@ class _Gunicorn(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self) -> "Flask":
-        return create_app(self.config)
+        app = create_app(self.config)
+        app.wsgi_app = _with_disconnect_probe(app.wsgi_app)  # type: ignore[method-assign]
+        return app
 
     def _post_fork(self, _arbiter: Any, _worker: Any) -> None:
         _die_with_parent()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ import websocket
 from cosyedge.api.app import MAX_HEADERS
 from cosyedge.api.bench_ws import measure_ws
 from cosyedge.api.harness import ServiceProcess
-from cosyedge.api.server import MAX_HEADER_LINE
+from cosyedge.api.server import MAX_HEADER_LINE, peer_closed
 
 T = 120  # seconds: a bound for every call, never an expectation
 KEY = "k3y-" + "0123456789abcdef0123456789ab"
@@ -213,6 +214,18 @@ def test_serve_bounds_header_lines_and_their_number(joe):
     for headers in ({"X-Big": "a" * (MAX_HEADER_LINE + 1)}, {f"X-N{i}": "1" for i in range(MAX_HEADERS + 1)}):
         assert requests.get(joe.url + "/healthz", headers=headers, timeout=T).status_code == 431
     assert requests.get(joe.url + "/healthz", headers={"X-Fine": "a" * 4000}, timeout=T).status_code == 200
+
+
+def test_the_disconnect_probe_of_http_streams_under_serve():
+    left, right = socket.socketpair()
+    try:
+        assert not peer_closed(left)  # connected, nothing sent
+        right.sendall(b"more")
+        assert not peer_closed(left) and left.recv(16) == b"more"  # data is not a disconnect; the peek kept it
+        right.close()
+        assert peer_closed(left)
+    finally:
+        left.close()
 
 
 def test_bench_ws_measures_first_audio_and_total(joe):
