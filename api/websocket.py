@@ -93,7 +93,7 @@ class Session:
         self.rate = 0
         self.samples = 0
         self.index = 0
-        self.started = self.ended = False
+        self.ended = False
         self.encoder: FfmpegEncoder | None = None
         self.encoded = threading.Event()  # the encoder's output is all sent
         self.send_lock = threading.Lock()  # the session thread and the encoder's reader both send
@@ -106,7 +106,7 @@ class Session:
             self._send_json({"type": "done", "audio_s": self._clock(self.samples)})
         except _Cancelled:
             self._close_encoder()  # no encoded audio after `done`
-            self._send_json({"type": "done", "audio_s": self._clock(self.samples), "cancelled": True})
+            self._send_last({"type": "done", "audio_s": self._clock(self.samples), "cancelled": True})
         except (SessionError, ApiError) as exc:
             self._send_error(exc.code, exc.message)
         except CosyedgeError as exc:
@@ -170,7 +170,7 @@ class Session:
                        "sampling": sampling}
         engine.options(**self.params)  # validated once, here: the errors come before any audio
         self.release = current_guard().streams.acquire(self.client)
-        self.rate, self.started = engine.sample_rate, True
+        self.rate = engine.sample_rate
         if fmt == "wav":
             self._send(streaming_wav_header(self.rate))
         elif fmt in ("mp3", "opus"):
@@ -254,8 +254,12 @@ class Session:
 
     def _send_error(self, code: str, message: str) -> None:
         self._close_encoder()
+        self._send_last({"type": "error", "code": code, "message": message})
+
+    def _send_last(self, event: dict[str, Any]) -> None:
+        """The session's last event; a client already gone is no error."""
         try:
-            self._send_json({"type": "error", "code": code, "message": message})
+            self._send_json(event)
         except ConnectionClosed:
             pass
 
