@@ -14,7 +14,7 @@ import uuid
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from cosyedge.api import cache
+from cosyedge.api import cache, websocket
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.errors import ApiError
 from cosyedge.api.routes import BLUEPRINTS, SYNTHESIS_ENDPOINTS
@@ -97,7 +97,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         log.exception("unhandled error in request %s", g.get("request_id", "?"))
         return ApiError(500, "internal_error", f"internal error (request {g.get('request_id', '?')})").response()
 
-    for blueprint in BLUEPRINTS:
+    for blueprint in (*BLUEPRINTS, websocket.blueprint):
         app.register_blueprint(blueprint)
     if engine is not None:
         service.start(engine)

@@ -14,6 +14,7 @@ from cosyedge.device.errors import (BundleError, CosyedgeError, EmptyTextError, 
                                     InvalidVoiceError, ProviderError, ReleaseError, TextTooLongError,
                                     UnknownVoiceError, VoiceExistsError, VoiceNotFoundError)
 from cosyedge.device.options import SPEED_RANGE, BatchLimits, Segment, SynthesisOptions
+from cosyedge.device.textstream import SentenceStream
 
 __all__ = [
     "Engine", "BatchLimits", "SynthesisOptions", "Segment", "SPEED_RANGE",
@@ -21,5 +22,5 @@ __all__ = [
     "TextTooLongError", "UnknownVoiceError", "InvalidVoiceError", "VoiceExistsError", "VoiceNotFoundError",
     "FixedVoicesError",
     "encode", "FORMATS", "MIME", "check_format", "check_sample_rate", "to_audio_segment", "to_pcm16",
-    "streaming_wav_header", "Line", "read_lines", "run_lines",
+    "streaming_wav_header", "Line", "read_lines", "run_lines", "SentenceStream",
 ]

@@ -4,4 +4,5 @@ from __future__ import annotations
 from cosyedge.api.routes import native, openai, ops, page, voices
 
 BLUEPRINTS = (openai.blueprint, native.blueprint, voices.blueprint, ops.blueprint, page.blueprint)
-SYNTHESIS_ENDPOINTS = frozenset({"openai.speech", "native.tts", "native.tts_batch"})  # rate-limited
+# rate-limited (the WebSocket route: its handshake)
+SYNTHESIS_ENDPOINTS = frozenset({"openai.speech", "native.tts", "native.tts_batch", "websocket.audio_stream"})
