@@ -14,6 +14,7 @@ import uuid
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from cosyedge.api import cache, websocket
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.errors import ApiError
 from cosyedge.api.routes import BLUEPRINTS, SYNTHESIS_ENDPOINTS
@@ -39,6 +40,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
     app.extensions["cosyedge_guard"] = guard
     app.url_map.merge_slashes = False  # "//etc/x" is a 404, not a redirect to another path
     metrics = service.metrics
+    cache.install(app, config.state_dir, config.cache_max_mb, metrics.registry)
 
     @app.before_request
     def _begin() -> None:
@@ -95,7 +97,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         log.exception("unhandled error in request %s", g.get("request_id", "?"))
         return ApiError(500, "internal_error", f"internal error (request {g.get('request_id', '?')})").response()
 
-    for blueprint in BLUEPRINTS:
+    for blueprint in (*BLUEPRINTS, websocket.blueprint):
         app.register_blueprint(blueprint)
     if engine is not None:
         service.start(engine)

@@ -15,7 +15,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from cosyedge.api.server import serve
     logging.getLogger().setLevel(logging.INFO)  # a service logs its lifecycle (to the journal under systemd)
     config = load_config(args.config, host=args.host, port=args.port, bundle=args.bundle, precision=args.precision,
-                         target=args.target, instance=args.instance)
+                         target=args.target, instance=args.instance, wyoming_uri=args.wyoming)
     return serve(config)
 
 
@@ -47,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fp32, fp16, int8 or auto (default: the best the machine and bundle offer)")
     p.add_argument("--target", choices=TARGETS, help="a build target of the bundle instead of a precision")
     p.add_argument("--instance", type=int, help="GPU index of a templated unit: the port becomes port + instance")
+    p.add_argument("--wyoming", metavar="URI", help="also serve the Wyoming protocol on this loopback address with the "
+                                                     "same engine and queue, e.g. tcp://127.0.0.1:10200")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench-api", help="measure the HTTP API against the engine alone: first audio, latency, "

@@ -50,6 +50,8 @@ class ServiceConfig:
     api_key: str | None = field(default=None, repr=False)  # Bearer key; required to listen beyond loopback
     max_streams_per_client: int = 4      # simultaneous `stream: true` responses per client; beyond it: 429
     log_request_text: bool = False       # the slow-request log line includes the request's text
+    cache_max_mb: float = 256.0          # phrase cache of reproducible requests (state dir); 0 = off
+    wyoming_uri: str | None = None       # also serve the Wyoming protocol here (tcp://127.0.0.1:10200); loopback only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voice_aliases", MappingProxyType(dict(self.voice_aliases)))
@@ -74,6 +76,8 @@ class ServiceConfig:
             (0 <= self.rate_limit_per_s and math.isfinite(self.rate_limit_per_s), "rate_limit_per_s must be >= 0"),
             (self.rate_limit_burst >= 1, "rate_limit_burst must be >= 1"),
             (1 <= self.max_streams_per_client <= 10000, "max_streams_per_client must be 1-10000"),
+            (self.wyoming_uri is None or self.wyoming_uri.startswith("tcp://"), "wyoming_uri must be tcp://HOST:PORT"),
+            (0 <= self.cache_max_mb <= 1_000_000 and math.isfinite(self.cache_max_mb), "cache_max_mb must be 0-1000000"),
             (self.api_key is None or API_KEY.fullmatch(self.api_key) is not None,
              f"api_key must be {API_KEY_MIN}-{API_KEY_MAX} printable ASCII characters without spaces "
              "(e.g. `openssl rand -hex 32`)"),
@@ -104,7 +108,8 @@ _ENV = {  # environment variable -> field
     "COSYEDGE_RATE_LIMIT_PER_S": "rate_limit_per_s", "COSYEDGE_RATE_LIMIT_BURST": "rate_limit_burst",
     "COSYEDGE_VOICE_ALIASES": "voice_aliases", "COSYEDGE_STATE_DIR": "state_dir",
     "COSYEDGE_API_KEY": "api_key", "COSYEDGE_MAX_STREAMS_PER_CLIENT": "max_streams_per_client",
-    "COSYEDGE_LOG_REQUEST_TEXT": "log_request_text",
+    "COSYEDGE_LOG_REQUEST_TEXT": "log_request_text", "COSYEDGE_CACHE_MAX_MB": "cache_max_mb",
+    "COSYEDGE_WYOMING_URI": "wyoming_uri",
 }
 API_KEY_FILE_ENV = "COSYEDGE_API_KEY_FILE"  # a file holding the key (systemd: LoadCredential=), read once at start
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

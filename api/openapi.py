@@ -17,7 +17,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
             401: "API key missing or wrong (only when the service has one; WWW-Authenticate: Bearer)",
             415: "Content-Type is not application/json",
             429: "per-client rate limit, or too many streams open for this client (Retry-After)",
-            431: "too many header lines",
+            426: "not a WebSocket handshake (Upgrade: websocket missing)", 431: "too many header lines",
+            501: "the server in use cannot upgrade to WebSocket (the in-process test server)",
             500: "synthesis failed (recorded in the dead-letter file)",
             503: "queue full or voice still loading (Retry-After)", 504: "deadline passed before work started"}
     return {str(s): {"description": text[s], "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
@@ -25,7 +26,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 _AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mono little-endian). With stream=true "
                          "the body is chunked, sentence by sentence (wav: unknown-length header, then pcm16)",
-          "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}}},
+          "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}},
+                      "X-Cosyedge-Cache": {"schema": {"enum": ["hit", "miss"]}, "description": "served from the phrase cache"}},
           "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
                       "audio/L16": {}}}
 _SYNTH_ERRORS = (400, 401, 413, 415, 429, 431, 500, 503, 504)
@@ -102,6 +104,10 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                 "summary": "Delete a registered voice",
                 "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
                 "responses": {"200": _json({"type": "object"}, "deleted"), **_errors(400, 401, 404, 503)}}},
+            "/v1/audio/stream": {"get": {
+                "summary": "WebSocket: text in pieces (start, text..., end, cancel) in; binary audio, segment events "
+                           "with start_s/end_s, done or error out (api/README.md)",
+                "responses": {"101": {"description": "switching to WebSocket"}, **_errors(401, 426, 429, 431, 501)}}},
             "/v1/models": {"get": {"summary": "Accepted model names (OpenAI names and the bundle's name)",
                                    "responses": {"200": _json({"type": "object"}), **_errors(401)}}},
             "/healthz": {"get": {"summary": "Liveness: the process and its engine worker run",
@@ -113,6 +119,12 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                                                        "content": {"text/plain": {}}}, **_errors(401)}}},
             "/openapi.json": {"get": {"summary": "This document",
                                       "responses": {"200": _json({"type": "object"}), **_errors(401)}}},
+            "/v1/bundle": {"get": {"summary": "The loaded bundle: name, family, sample rate, selection, quality report",
+                                   "responses": {"200": _json({"type": "object"}), **_errors(401, 503)}}},
+            **{path: {"get": {"summary": f"The local control page: {what} (package files, no external assets)",
+                              "responses": {"200": {"description": what, "content": {kind: {}}}, **_errors(401)}}}
+               for path, what, kind in (("/", "the page", "text/html"), ("/page.js", "its script", "text/javascript"),
+                                        ("/page.css", "its style sheet", "text/css"))},
         },
         "components": {"schemas": {
             "ErrorBody": {"type": "object", "required": ["code", "message", "type"],

@@ -275,6 +275,14 @@ class Engine:
         return [{"name": name, "speaker_id": index, "kind": self.pipeline.voice_kind(name),
                  "registered": name in registered} for index, name in enumerate(self.voices())]
 
+    def reproducible(self, options: SynthesisOptions) -> bool:
+        """Whether these options give the same audio on every call (the API's phrase cache keeps only those)."""
+        return self.pipeline.reproducible(options)
+
+    def voice_file(self, name: str) -> Path | None:
+        """A registered voice's file (None for a bundle voice): what depends on the voice can key on its content."""
+        return dict(self._voice_store().files()).get(name) if self.pipeline.supports_voice_registration else None
+
     def remove_voice(self, name: str) -> None:
         """Delete a registered voice (bundle voices cannot be removed: FixedVoicesError)."""
         check_voice_name(name)

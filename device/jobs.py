@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import soundfile as sf
 from pydub import AudioSegment
@@ -95,21 +96,34 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", 
     fmt, sample_rate = check_format(fmt), check_sample_rate(sample_rate)
     engine.options(voice=voice, speed=speed)  # fail fast on a bad voice or speed, before any line
     _out_dir(out_dir)
-    todo = [line for line in lines if not _complete(out_dir / f"{line.key}.{fmt}")]
+
+    def render(line: Line) -> float:
+        segment = engine.synthesize(line.text, voice=voice, speed=speed)
+        target = out_dir / f"{line.key}.{fmt}"
+        partial = target.with_name(f".{target.name}.partial")
+        partial.write_bytes(encode(segment, fmt, sample_rate))
+        partial.replace(target)
+        return segment.duration_seconds
+
+    return run_lines(lines, render, lambda line: _complete(out_dir / f"{line.key}.{fmt}"), out_dir / DEAD_LETTER,
+                     progress)
+
+
+def run_lines(lines: list[Line], render: Callable[[Line], float], done: Callable[[Line], bool], dead_letter: Path,
+              progress: bool = True) -> dict:
+    """The resumable loop of a job: skip the lines `done` says are done, `render` the others (it returns the
+    line's audio seconds), a line that fails goes to the `dead_letter` file; a progress bar on stderr."""
+    todo = [line for line in lines if not done(line)]
     summary = {"total": len(lines), "skipped": len(lines) - len(todo), "done": 0, "failed": 0,
                "audio_s": 0.0, "compute_s": 0.0}
     from tqdm import tqdm
     bar = tqdm(total=len(lines), initial=summary["skipped"], unit="line", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
-    with (out_dir / DEAD_LETTER).open("a", encoding="utf-8") as dead:
+    with dead_letter.open("a", encoding="utf-8") as dead:
         for line in todo:
             start = time.perf_counter()
             try:
-                segment = engine.synthesize(line.text, voice=voice, speed=speed)
-                target = out_dir / f"{line.key}.{fmt}"
-                partial = target.with_name(f".{target.name}.partial")
-                partial.write_bytes(encode(segment, fmt, sample_rate))
-                partial.replace(target)
+                seconds = render(line)
             except Exception as exc:  # noqa: BLE001 - one line's failure (input, runtime, encoder) never ends the job
                 summary["failed"] += 1
                 error = str(exc) if isinstance(exc, CosyedgeError) else f"{type(exc).__name__}: {exc}"
@@ -119,7 +133,7 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", 
                 dead.flush()
             else:
                 summary["done"] += 1
-                summary["audio_s"] += segment.duration_seconds
+                summary["audio_s"] += seconds
             summary["compute_s"] += time.perf_counter() - start
             bar.update(1)
             if summary["audio_s"]:

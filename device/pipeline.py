@@ -68,6 +68,10 @@ class Pipeline(abc.ABC):
         if options.mode is not None or options.instruct_text is not None:
             raise InputError("this bundle's model family has no modes or instruct text")
 
+    def reproducible(self, options: SynthesisOptions) -> bool:
+        """Whether `options` give the same audio on every call (what a cache may keep); default: never promised."""
+        return False
+
     def synthesize_many(self, jobs: Sequence[Job], batch_max: int) -> list[list[np.ndarray]]:
         """Several requests at once, one waveform per segment, in job order (what the API's queue feeds).
 

@@ -12,7 +12,7 @@ from cosyedge.device.errors import EmptyTextError, InputError, TextTooLongError
 
 _KEEP_CATEGORIES = ("L", "N", "P", "Zs", "M")  # letters, numbers, punctuation, spaces, combining marks
 _KEEP_SYMBOLS = set("$%&+=@#€£¥°/\\<>")
-_SENTENCE_END = re.compile(r"(?<=[.!?。！？…])\s+|(?<=[。！？])")
+SENTENCE_END = re.compile(r"(?<=[.!?。！？…])\s+|(?<=[。！？])")  # also the cut of textstream.SentenceStream
 _SPACES = re.compile(r"\s+")
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
@@ -50,12 +50,17 @@ def validate(text: object, max_chars: int) -> str:
     if len(text) > max_chars:
         raise TextTooLongError(f"text has {len(text)} characters; the limit is {max_chars}: split it into several requests")
     clean = normalize(text)
-    if not any(unicodedata.category(c).startswith(("L", "N")) for c in clean):
+    if not speakable(clean):
         raise EmptyTextError("text contains nothing speakable (only punctuation, symbols or emoji)")
     return clean
 
 
+def speakable(text: str) -> bool:
+    """Whether `text` has a letter or a number (something a voice can say)."""
+    return any(unicodedata.category(c).startswith(("L", "N")) for c in text)
+
+
 def split_sentences(text: str) -> list[str]:
     """Sentences of normalised text; each one is a streaming chunk and a batch item."""
-    parts = (p.strip() for p in _SENTENCE_END.split(text))
-    return [p for p in parts if p and any(unicodedata.category(c).startswith(("L", "N")) for c in p)]
+    parts = (p.strip() for p in SENTENCE_END.split(text))
+    return [p for p in parts if p and speakable(p)]

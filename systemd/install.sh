@@ -18,9 +18,11 @@ if [ "${1:-}" != "--no-venv" ]; then
 fi
 [ -x "$PREFIX/venv/bin/cosyedge" ] || { echo "install.sh: $PREFIX/venv/bin/cosyedge is missing" >&2; exit 1; }
 
-install -m 0644 "$REPO/systemd/cosyedge.service" "$REPO/systemd/cosyedge@.service" "$UNIT_DIR/"
+install -m 0644 "$REPO/systemd/cosyedge.service" "$REPO/systemd/cosyedge@.service" \
+    "$REPO/systemd/cosyedge-wyoming.service" "$UNIT_DIR/"
 if [ "$PREFIX" != /opt/cosyedge ]; then
-    sed -i "s#/opt/cosyedge/#$PREFIX/#g" "$UNIT_DIR/cosyedge.service" "$UNIT_DIR/cosyedge@.service"
+    sed -i "s#/opt/cosyedge/#$PREFIX/#g" "$UNIT_DIR/cosyedge.service" "$UNIT_DIR/cosyedge@.service" \
+        "$UNIT_DIR/cosyedge-wyoming.service"
 fi
 install -d -m 0755 "$ETC_DIR"
 install -m 0644 "$REPO/systemd/cosyedge.env.example" "$ETC_DIR/cosyedge.env.example"

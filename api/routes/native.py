@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response
 
-from cosyedge.api import bodies
+from cosyedge.api import bodies, cache
 from cosyedge.api.security import hold_stream, note_text
 from cosyedge.api.service import current_service
 from cosyedge.api.synthesis import speak, speak_batch
@@ -20,7 +20,7 @@ def tts() -> Response:
     job = bodies.tts(body, engine, service.aliases)
     if job.stream:
         hold_stream()  # before any work is queued: over the bound is a 429 at once
-    return speak("/v1/tts", job)
+    return cache.answer(engine, job, lambda: speak("/v1/tts", job))
 
 
 @blueprint.post("/v1/tts/batch")

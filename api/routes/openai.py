@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
 
-from cosyedge.api import bodies
+from cosyedge.api import bodies, cache
 from cosyedge.api.config import OPENAI_MODELS
 from cosyedge.api.security import hold_stream, note_text
 from cosyedge.api.service import current_service
@@ -21,7 +21,7 @@ def speech() -> Response:
     job = bodies.speech(body, engine, service.aliases)
     if job.stream:
         hold_stream()  # before any work is queued: over the bound is a 429 at once
-    return speak("/v1/audio/speech", job)
+    return cache.answer(engine, job, lambda: speak("/v1/audio/speech", job))
 
 
 @blueprint.get("/v1/models")

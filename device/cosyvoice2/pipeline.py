@@ -121,6 +121,10 @@ class CosyVoice2Pipeline(Pipeline):
         textmod.validate(text, max_chars)
         return str(text)
 
+    def reproducible(self, options: SynthesisOptions) -> bool:
+        """A seed fixes the sampler and the source noise; greedy and noise-free need none."""
+        return options.seed is not None or (options.sampling == "greedy" and options.deterministic)
+
     def check_options(self, options: SynthesisOptions) -> None:
         """Refuse mode / voice combinations up front (InputError), before any work is queued."""
         self._mode_inputs(options)

@@ -82,5 +82,9 @@ class VitsPipeline(Pipeline):
     def stream(self, segment: Segment, options: SynthesisOptions) -> Iterator[np.ndarray]:
         yield self.synthesize([segment], options)[0]
 
+    def reproducible(self, options: SynthesisOptions) -> bool:
+        """Only without noise: the graph draws its own noise, which no seed reaches."""
+        return options.deterministic
+
     def describe(self) -> dict[str, Any]:
         return {"family": "vits", "precision": {"vits": self._precision}, "providers": self._session.get_providers()}

@@ -1,0 +1,110 @@
+"""`cosyedge cache warm|stats|clear`: the service's phrase cache from the command line.
+
+`warm` renders a list of phrases into the cache the service reads (same state directory, bundle and keys), one
+line at a time with `synth-batch`'s progress bar and dead-letter file; a line already cached is skipped, so a
+killed run resumes where it stopped. `clear` deletes the cache's entries and nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from cosyedge.device.errors import CosyedgeError, InputError
+
+if TYPE_CHECKING:
+    from cosyedge.api.config import ServiceConfig
+    from cosyedge.device import Line
+
+DEAD_LETTER = "warm_dead_letter.jsonl"  # in the cache folder; `clear` leaves it
+
+
+def _config(args: argparse.Namespace) -> "ServiceConfig":
+    from cosyedge.api.config import load_config
+    return load_config(args.config, state_dir=args.state_dir, bundle=getattr(args, "bundle", None),
+                       precision=getattr(args, "precision", None), target=getattr(args, "target", None))
+
+
+def warm(args: argparse.Namespace) -> int:
+    from cosyedge.api.cache import FOLDER, Entry, content_type, open_cache
+    from cosyedge.api.server import load_engine
+    from cosyedge.device import encode, read_lines, run_lines, to_audio_segment
+    config = _config(args)
+    if config.cache_max_mb <= 0:
+        raise InputError("the phrase cache is off (cache_max_mb = 0); nothing to warm")
+    lines = read_lines(Path(args.phrases))
+    cache = open_cache(config.state_dir, config.cache_max_mb)
+    engine = load_engine(config)
+    options = engine.options(voice=args.voice, speed=args.speed, deterministic=args.deterministic, seed=args.seed,
+                             sampling=args.sampling)
+    if not engine.reproducible(options):
+        raise InputError("these options do not give the same audio twice, so the service would never serve them "
+                         "from the cache; add --seed N (or --deterministic, and for CosyVoice --sampling greedy)")
+    rate = engine.sample_rate
+
+    def key(line: "Line") -> str:
+        return cache.key(engine, engine.segments(line.text), options, args.format) or ""
+
+    def render(line: "Line") -> float:
+        segments = engine.segments(line.text)
+        wave = engine.synthesize_many([(segments, options)])[0]  # what the service's queue runs for one request
+        audio = encode(to_audio_segment(wave, rate), args.format)
+        seconds = round(len(wave) / rate, 3)
+        cache.put(key(line), Entry(audio, content_type(args.format, rate), seconds))
+        return seconds
+
+    def done(line: "Line") -> bool:
+        try:
+            return cache.has(key(line))
+        except CosyedgeError:
+            return False  # an unusable line: render() sends it to the dead-letter file
+
+    cache.root.mkdir(parents=True, exist_ok=True)
+    summary = run_lines(lines, render, done, cache.root / DEAD_LETTER, progress=not args.quiet)
+    print(json.dumps({**summary, **cache.stats()}))
+    if summary["failed"]:
+        print(f"{summary['failed']} line(s) failed; see {FOLDER}/{DEAD_LETTER} in the state directory", file=sys.stderr)
+    return 1 if summary["failed"] else 0
+
+
+def stats(args: argparse.Namespace) -> int:
+    from cosyedge.api.cache import open_cache
+    config = _config(args)
+    print(json.dumps(open_cache(config.state_dir, config.cache_max_mb).stats()))
+    return 0
+
+
+def clear(args: argparse.Namespace) -> int:
+    from cosyedge.api.cache import open_cache
+    config = _config(args)
+    removed = open_cache(config.state_dir, config.cache_max_mb).clear()
+    print(f"removed {removed} cached phrase(s)", file=sys.stderr)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `cosyedge cache warm|stats|clear`."""
+    p = sub.add_parser("cache", help="the service's phrase cache: pre-render phrases, show its size, clear it")
+    actions = p.add_subparsers(dest="cache_command", required=True)
+    for name, func, text in (("warm", warm, "render every line of a .txt (or .csv id,text) file into the cache"),
+                             ("stats", stats, "entries and bytes in the cache"),
+                             ("clear", clear, "delete every cached phrase (nothing else)")):
+        a = actions.add_parser(name, help=text)
+        a.set_defaults(func=func)
+        a.add_argument("--config", help="the service's TOML file (default: $COSYEDGE_CONFIG, else the defaults)")
+        a.add_argument("--state-dir", help="the service's state directory (default: from the configuration)")
+    warm_parser = actions.choices["warm"]
+    warm_parser.add_argument("phrases")
+    warm_parser.add_argument("--bundle", help="bundle directory (default: the service's)")
+    warm_parser.add_argument("--precision", help="fp32, fp16, int8 or auto (default: the service's)")
+    warm_parser.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
+    warm_parser.add_argument("--voice")
+    warm_parser.add_argument("--speed", type=float, default=1.0)
+    warm_parser.add_argument("--format", default="wav", choices=["wav", "mp3", "flac", "opus", "aac", "pcm"])
+    warm_parser.add_argument("--deterministic", action="store_true", help="no sampling noise (as the request's field)")
+    warm_parser.add_argument("--seed", type=int)
+    warm_parser.add_argument("--sampling", choices=["default", "greedy"], default="default")
+    warm_parser.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -1,0 +1,62 @@
+"""`cosyedge wyoming`: the Wyoming server as a command (cosyedge.api.wyoming holds the server); imports are
+lazy so that `cosyedge --help` stays fast."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from cosyedge.device.errors import InputError
+
+WYOMING_URI = "tcp://127.0.0.1:10200"
+
+
+def cmd_wyoming(args: argparse.Namespace) -> int:
+    from cosyedge.api.config import load_config
+    from cosyedge.api.server import is_loopback, load_engine
+    from cosyedge.api.wyoming import Defaults, WyomingTts, log, parse_uri, serve_async
+    host, _ = parse_uri(args.uri)
+    if not is_loopback(host) and not args.allow_remote:
+        raise InputError(f"refusing to listen on {host}: the Wyoming protocol has no authentication; bind "
+                         "127.0.0.1, or pass --allow-remote on a trusted network")
+    logging.getLogger().setLevel(logging.INFO)
+    config = load_config(args.config, bundle=args.bundle, precision=args.precision, target=args.target)
+    tts = WyomingTts(load_engine(config), Defaults(args.speed, args.deterministic, args.seed, args.sampling))
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
+        await serve_async(tts, args.uri, lambda port: log.info("wyoming: listening on tcp://%s:%d", host, port),
+                          args.zeroconf)
+
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        log.info("wyoming: stopped")
+    return 0
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The options of Wyoming requests (the protocol has only text and voice)."""
+    parser.add_argument("--speed", type=float, default=1.0)
+    parser.add_argument("--deterministic", action="store_true", help="no sampling noise: the same text gives the same audio")
+    parser.add_argument("--seed", type=int, help="fixed sampling seed for every request")
+    parser.add_argument("--sampling", choices=["default", "greedy"], default="default")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `cosyedge wyoming`."""
+    p = sub.add_parser("wyoming", help="serve the voice over the Wyoming protocol (Home Assistant, Rhasspy)")
+    p.add_argument("--uri", default=WYOMING_URI, help=f"where to listen (default {WYOMING_URI}; port 0: a free one)")
+    p.add_argument("--allow-remote", action="store_true", help="listen beyond loopback (Wyoming has no authentication)")
+    p.add_argument("--zeroconf", nargs="?", const="", metavar="NAME",
+                   help="advertise over mDNS for Home Assistant discovery (needs the zeroconf package)")
+    p.add_argument("--config", help="the service's TOML file (bundle, precision, state directory)")
+    p.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
+    p.add_argument("--precision", help="fp32, fp16, int8 or auto")
+    p.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
+    add_options(p)
+    p.set_defaults(func=cmd_wyoming)

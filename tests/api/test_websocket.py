@@ -1,0 +1,287 @@
+"""WebSocket /v1/audio/stream against the real `cosyedge serve` process (gunicorn), with websocket-client.
+
+Text sent in pieces comes back as audio plus one `segment` per sentence and `done`; `cancel` stops the audio;
+bad messages get an `error` event and a normal close; a pcm WebSocket stream equals the HTTP API's audio.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import requests
+import websocket
+
+from cosyedge.api.app import MAX_HEADERS
+from cosyedge.api.bench_ws import measure_ws
+from cosyedge.api.harness import ServiceProcess
+from cosyedge.api.server import MAX_HEADER_LINE, peer_closed
+
+T = 120  # seconds: a bound for every call, never an expectation
+KEY = "k3y-" + "0123456789abcdef0123456789ab"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PIECES = ["Hello the", "re, my friend. This is a sec", "ond sentence! And here is a", " tail without an end"]
+SENTENCES = ["Hello there, my friend.", "This is a second sentence!", "And here is a tail without an end"]
+
+
+@dataclass
+class Reply:
+    audio: bytes = b""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    close_code: int | None = None
+    frames_before_first_event: int = 0
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["type"] == kind]
+
+
+def _env(home, tmp_path, **extra: str) -> dict[str, str]:
+    return {"COSYEDGE_HOME": str(home), "COSYEDGE_PROVIDERS": "cpu", "COSYEDGE_THREADS": "1", **extra}
+
+
+def _ws_url(service: ServiceProcess) -> str:
+    return service.url.replace("http://", "ws://") + "/v1/audio/stream"
+
+
+def _talk(service: ServiceProcess, messages: list[Any], headers: dict[str, str] | None = None,
+          cancel_after_audio: bool = False) -> Reply:
+    """Send `messages` (dicts as JSON text, str and bytes as they are), read everything until the close frame."""
+    ws = websocket.create_connection(_ws_url(service), timeout=T, header=AUTH if headers is None else headers)
+    reply = Reply()
+    try:
+        for message in messages:
+            if isinstance(message, bytes):
+                ws.send_binary(message)
+            else:
+                ws.send(message if isinstance(message, str) else json.dumps(message))
+        while True:
+            opcode, data = ws.recv_data()
+            if opcode == websocket.ABNF.OPCODE_BINARY:
+                if cancel_after_audio and not reply.audio:
+                    ws.send(json.dumps({"type": "cancel"}))
+                reply.audio += data
+            elif opcode == websocket.ABNF.OPCODE_TEXT:
+                reply.events.append(json.loads(data))
+            elif opcode == websocket.ABNF.OPCODE_CLOSE:
+                reply.close_code = int.from_bytes(data[:2], "big") if len(data) >= 2 else None
+                return reply
+    finally:
+        ws.close()
+
+
+def _check_round_trip(reply: Reply, rate: int, sentences: list[str]) -> None:
+    assert reply.close_code == 1000 and not reply.of("error"), reply.events
+    segments, done = reply.of("segment"), reply.of("done")
+    assert [s["text"] for s in segments] == sentences  # one per sentence, the tail spoken at `end`
+    assert [s["index"] for s in segments] == list(range(len(sentences)))
+    assert len(done) == 1 and reply.events[-1] == done[0]
+    starts = [s["start_s"] for s in segments]
+    assert starts[0] == 0.0 and all(s["end_s"] > s["start_s"] for s in segments)
+    assert all(a["end_s"] == b["start_s"] for a, b in zip(segments, segments[1:]))  # one clock, no gaps
+    audio_s = len(reply.audio) / 2 / rate
+    assert abs(segments[-1]["end_s"] - done[0]["audio_s"]) <= 1 / rate
+    assert abs(done[0]["audio_s"] - audio_s) <= 1 / rate
+
+
+@pytest.fixture(scope="module")
+def joe(cosyedge_home, default_bundle_path, tmp_path_factory) -> Iterator[ServiceProcess]:
+    """The default voice behind the API key, at most 2 streams per client."""
+    env = _env(cosyedge_home, None, COSYEDGE_API_KEY=KEY, COSYEDGE_MAX_STREAMS_PER_CLIENT="2")
+    with ServiceProcess(env=env) as service:
+        yield service
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def _start(**extra: Any) -> dict[str, Any]:
+    return {"type": "start", "format": "pcm", "deterministic": True, **extra}
+
+
+def test_pieces_round_trip_on_the_default_voice(joe):
+    reply = _talk(joe, [_start(), *({"type": "text", "text": p} for p in PIECES), {"type": "end"}])
+    _check_round_trip(reply, 22050, SENTENCES)
+    assert np.abs(np.frombuffer(reply.audio, "<i2")).max() > 1000  # speech, not silence
+
+
+def test_pcm_over_websocket_equals_the_http_api(joe):
+    text = "".join(PIECES) + "."
+    reply = _talk(joe, [_start(), *({"type": "text", "text": p} for p in PIECES), {"type": "text", "text": "."},
+                        {"type": "end"}])
+    assert reply.close_code == 1000 and len(reply.of("segment")) == 3, reply.events
+    http = requests.post(joe.url + "/v1/tts", json={"text": text, "format": "pcm", "deterministic": True},
+                         headers=AUTH, timeout=T)
+    assert http.status_code == 200
+    ws_audio, http_audio = np.frombuffer(reply.audio, "<i2"), np.frombuffer(http.content, "<i2")
+    assert ws_audio.size == http_audio.size
+    assert np.abs(ws_audio.astype(np.int32) - http_audio).max() <= 1  # int16 rounding at most
+
+
+@pytest.mark.parametrize("fmt, magic", [("wav", b"RIFF"), ("mp3", None), ("opus", b"OggS")])
+def test_other_formats_stream_and_play(joe, fmt, magic):
+    reply = _talk(joe, [_start(format=fmt), {"type": "text", "text": "One more sentence. And another."},
+                        {"type": "end"}])
+    assert reply.close_code == 1000 and len(reply.of("segment")) == 2 and reply.of("done"), reply.events
+    if magic:
+        assert reply.audio.startswith(magic)
+    from apitools import decode
+    assert decode(reply.audio).size / 22050 == pytest.approx(reply.of("done")[0]["audio_s"], abs=0.2)
+
+
+def test_cancel_stops_the_audio(joe):
+    sentences = [f"This is sentence number {i}, spoken only if nobody cancels." for i in range(60)]
+    texts = [{"type": "text", "text": s + " "} for s in sentences]
+    full = _talk(joe, [_start(), *texts, {"type": "end"}])
+    assert len(full.of("segment")) == 60
+    reply = _talk(joe, [_start(), *texts, {"type": "end"}], cancel_after_audio=True)
+    assert reply.close_code == 1000 and reply.events[-1]["type"] == "done" and reply.events[-1]["cancelled"]
+    assert len(reply.of("segment")) < 30 and len(reply.audio) < len(full.audio) / 2, len(reply.of("segment"))
+    assert abs(reply.events[-1]["audio_s"] - len(reply.audio) / 2 / 22050) <= 1 / 22050
+
+
+@pytest.mark.parametrize("messages, code", [
+    (["not json {"], "bad_message"),
+    ([_start(), {"type": "shout"}], "bad_message"),
+    ([{"type": "text", "text": "Too early."}], "bad_message"),
+    ([_start(), b"\x00\x01"], "bad_message"),
+    ([_start(), {"type": "text", "text": 5}], "bad_message"),
+    ([_start(voice="nobody")], "unknown_voice"),
+    ([_start(format="flac")], "unknown_format"),
+    ([_start(format="pcm", sample_rate=8000)], "unsupported_sample_rate"),
+    ([_start(speed=9)], "invalid_parameter"),
+    ([_start(model="gpt-5")], "unknown_model"),
+    ([_start(), _start()], "bad_message"),
+    ([_start(), {"type": "text", "text": "x" * 2001}], "text_too_long"),
+])
+def test_bad_messages_get_an_error_event_then_a_normal_close(joe, messages, code):
+    reply = _talk(joe, messages)
+    assert reply.close_code == 1000, reply.events
+    assert reply.events[-1]["type"] == "error" and reply.events[-1]["code"] == code, reply.events
+    assert isinstance(reply.events[-1]["message"], str) and reply.events[-1]["message"]
+
+
+def test_the_key_and_the_per_client_stream_bound(joe):
+    with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+        websocket.create_connection(_ws_url(joe), timeout=T)
+    assert refused.value.status_code == 401
+    assert requests.get(joe.url + "/v1/audio/stream", headers=AUTH, timeout=T).status_code == 426
+    held = [websocket.create_connection(_ws_url(joe), timeout=T, header=AUTH) for _ in range(2)]
+    try:
+        for ws in held:
+            ws.send(json.dumps(_start()))
+        time.sleep(0.5)  # both sessions hold their slot once `start` is handled
+        reply = _talk(joe, [_start()])
+        assert reply.close_code == 1000 and reply.events[-1]["code"] == "too_many_streams", reply.events
+    finally:
+        for ws in held:
+            ws.close()
+
+
+def test_clients_that_leave_mid_stream_give_their_slots_back(joe):
+    sentences = [{"type": "text", "text": f"Sentence {i} goes on for a while before it ends. "} for i in range(40)]
+    for fmt in ("mp3", "pcm"):  # as many sessions as the client has slots; each leaves without a close frame
+        ws = websocket.create_connection(_ws_url(joe), timeout=T, header=AUTH)
+        for message in [_start(format=fmt), *sentences, {"type": "end"}]:
+            ws.send(json.dumps(message))
+        while ws.recv_data()[0] != websocket.ABNF.OPCODE_BINARY:
+            pass
+        ws.sock.close()  # gone, mid-stream
+    for _ in range(300):  # bounded: the server notices at its next send
+        reply = _talk(joe, [_start(), {"type": "text", "text": "Still here."}, {"type": "end"}])
+        if not reply.of("error"):
+            break
+        assert reply.events[-1]["code"] == "too_many_streams"
+        time.sleep(0.1)
+    _check_round_trip(reply, 22050, ["Still here."])
+    log = joe.log_tail(200_000)
+    left = [int(n) for n in re.findall(r"websocket client left after (\d+) segments", log)]
+    assert len(left) >= 2 and all(n < 40 for n in left), left  # they stopped; not spoken to the end
+    assert "unhandled" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_serve_bounds_header_lines_and_their_number(joe):
+    for headers in ({"X-Big": "a" * (MAX_HEADER_LINE + 1)}, {f"X-N{i}": "1" for i in range(MAX_HEADERS + 1)}):
+        assert requests.get(joe.url + "/healthz", headers=headers, timeout=T).status_code == 431
+    assert requests.get(joe.url + "/healthz", headers={"X-Fine": "a" * 4000}, timeout=T).status_code == 200
+
+
+def test_the_disconnect_probe_of_http_streams_under_serve():
+    left, right = socket.socketpair()
+    try:
+        assert not peer_closed(left)  # connected, nothing sent
+        right.sendall(b"more")
+        assert not peer_closed(left) and left.recv(16) == b"more"  # data is not a disconnect; the peek kept it
+        right.close()
+        assert peer_closed(left)
+    finally:
+        left.close()
+
+
+def test_bench_ws_measures_first_audio_and_total(joe):
+    result = measure_ws(_ws_url(joe), PIECES, api_key=KEY)
+    assert 0 < result["first_audio_s"] <= result["total_s"] and result["segments"] == 3
+    assert result["audio_s"] > 1.0
+
+
+def test_idle_timeout_rate_limit_and_sigterm(cosyedge_home, default_bundle_path, tmp_path):
+    env = _env(cosyedge_home, tmp_path, COSYEDGE_REQUEST_TIMEOUT_S="3", COSYEDGE_RATE_LIMIT_PER_S="0.001",
+               COSYEDGE_RATE_LIMIT_BURST="2")
+    with ServiceProcess(env=env) as service:
+        idle = _talk(service, [_start()], headers={})  # then nothing: the session gives its thread back
+        assert idle.close_code == 1000 and idle.events[-1]["code"] == "idle_timeout", idle.events
+        ws = websocket.create_connection(_ws_url(service), timeout=T)
+        with pytest.raises(websocket.WebSocketBadStatusException) as limited:
+            websocket.create_connection(_ws_url(service), timeout=T)
+        assert limited.value.status_code == 429  # the handshake is rate-limited like an HTTP synthesis request
+        ws.send(json.dumps(_start()))
+        ws.send(json.dumps({"type": "text", "text": "Before the stop. "}))
+        events = []
+        while not events:
+            opcode, data = ws.recv_data()
+            if opcode == websocket.ABNF.OPCODE_TEXT:
+                events.append(json.loads(data))
+        assert events[0]["type"] == "segment"
+        service.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # the worker has the signal; the session is still open
+        ws.send(json.dumps({"type": "text", "text": "After the stop. "}))
+        while True:
+            opcode, data = ws.recv_data()
+            if opcode == websocket.ABNF.OPCODE_TEXT:
+                events.append(json.loads(data))
+            elif opcode == websocket.ABNF.OPCODE_CLOSE:
+                break
+        ws.close()
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "shutting_down", events
+        assert int.from_bytes(data[:2], "big") == 1000
+        assert service.proc.wait(timeout=30) == 0, service.log_tail()
+
+
+def test_pieces_round_trip_on_cosyvoice2(cv2_tiny_bundle, cosyedge_home, tmp_path):
+    start = _start(voice="tiny_spk_zh", sampling="greedy")
+    pieces = ["收到好友从远方", "寄来的生日礼物。今天", "天气很好"]
+    with ServiceProcess(bundle=str(cv2_tiny_bundle), env=_env(cosyedge_home, tmp_path)) as service:
+        reply = _talk(service, [start, *({"type": "text", "text": p} for p in pieces), {"type": "end"}], headers={})
+        _check_round_trip(reply, 24000, ["收到好友从远方寄来的生日礼物。", "今天天气很好"])
+        cancelled = _talk(service, [start, {"type": "text", "text": "收到好友从远方寄来的生日礼物。" * 6},
+                                    {"type": "end"}], headers={}, cancel_after_audio=True)
+        workers = Path(f"/proc/{service.pid}/task/{service.pid}/children").read_text().split()
+        assert len(workers) == 1  # gunicorn's one worker process holds the engine
+        assert service.kill() == -signal.SIGKILL
+        for _ in range(100):  # bounded: the worker does not outlive the service (PR_SET_PDEATHSIG)
+            if not _alive(int(workers[0])):
+                break
+            time.sleep(0.05)
+        assert not _alive(int(workers[0])), "the worker outlived a SIGKILL of the service"
+    assert cancelled.close_code == 1000 and cancelled.events[-1].get("cancelled"), cancelled.events
+    assert len(cancelled.of("segment")) < 6
