@@ -201,7 +201,9 @@ class Session:
         """One sentence: its audio as it is made, then its `segment` event; messages are taken between chunks."""
         if not self.service.ready.is_set():
             raise ShuttingDown()
-        engine, _ = self.service.require_ready()
+        engine, batcher = self.service.require_ready()
+        # CosyVoice: the sentence counts among the requests in flight (QueueFull -> a `queue_full` error event)
+        release = batcher.admit() if batcher.continuous else None
         start = self.samples
         stream = engine.stream(sentence, **self.params)
         try:
@@ -216,6 +218,8 @@ class Session:
                     self._handle(message)
         finally:
             stream.close()  # a cancelled CosyVoice stream leaves its decode row at once
+            if release is not None:
+                release()
         self._send_json({"type": "segment", "index": self.index, "text": sentence,
                          "start_s": self._clock(start), "end_s": self._clock(self.samples)})
         self.index += 1

@@ -285,3 +285,28 @@ def test_pieces_round_trip_on_cosyvoice2(cv2_tiny_bundle, cosyedge_home, tmp_pat
         assert not _alive(int(workers[0])), "the worker outlived a SIGKILL of the service"
     assert cancelled.close_code == 1000 and cancelled.events[-1].get("cancelled"), cancelled.events
     assert len(cancelled.of("segment")) < 6
+
+
+def test_a_session_counts_among_the_requests_in_flight(cv2_tiny_bundle, cosyedge_home, tmp_path):
+    """queue_size 1: while one WebSocket sentence streams, a second session's sentence is refused with a
+    `queue_full` error event (then a normal close), and the place comes back once the first session ends."""
+    long_sentence = "，".join(["收到好友从远方寄来的生日礼物"] * 100) + "。"  # >= 1800 speech tokens: many chunks
+    start = _start(voice="tiny_spk_zh", sampling="greedy")
+    env = _env(cosyedge_home, tmp_path, COSYEDGE_QUEUE_SIZE="1")
+    with ServiceProcess(bundle=str(cv2_tiny_bundle), env=env) as service:
+        first = websocket.create_connection(_ws_url(service), timeout=T)
+        try:
+            for message in (start, {"type": "text", "text": long_sentence}, {"type": "end"}):
+                first.send(json.dumps(message))
+            assert first.recv_data()[0] == websocket.ABNF.OPCODE_BINARY  # the long sentence is streaming
+            refused = _talk(service, [start, {"type": "text", "text": "你好。"}, {"type": "end"}], headers={})
+            first.send(json.dumps({"type": "cancel"}))
+        finally:
+            first.close()
+        assert refused.close_code == 1000 and [e["code"] for e in refused.of("error")] == ["queue_full"], refused.events
+        for _ in range(100):  # the cancelled session gives its place back
+            again = _talk(service, [start, {"type": "text", "text": "你好。"}, {"type": "end"}], headers={})
+            if not again.of("error"):
+                break
+            time.sleep(0.1)
+        _check_round_trip(again, 24000, ["你好。"])
