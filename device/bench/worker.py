@@ -42,6 +42,7 @@ class Settings:
     tokens: int | None
     sampling: str  # "greedy" (argmax, no NSF noise) or "default" (the release's sampler, seeded noise)
     seed: int = 0
+    preset: str | None = None  # CosyVoice2 flow quality preset (None: the bundle default; the reference ignores it)
 
 
 class Backend:
@@ -165,7 +166,8 @@ class DeviceBackend(Backend):
     def synthesize(self, text: str, stream: bool, settings: Settings, index: int) -> tuple[int, Iterator[np.ndarray]]:
         greedy = settings.sampling == "greedy"
         options = replace(self.engine.options(deterministic=greedy, seed=settings.seed + index,
-                                              sampling=settings.sampling), pin_tokens=settings.tokens)
+                                              sampling=settings.sampling, preset=settings.preset),
+                          pin_tokens=settings.tokens)
         with self.clock.timed("frontend"):
             segments = self.engine.segments(text)
         pipeline = self.engine.pipeline

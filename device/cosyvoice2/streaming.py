@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
+from cosyedge.device.cosyvoice2.presets import Preset
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder, VocoderStream
 
 
@@ -46,12 +47,14 @@ class ChunkSchedule:
 
 
 def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder: Vocoder, config: StreamConfig,
-                  rng: np.random.Generator | None) -> Iterator[np.ndarray]:
+                  rng: np.random.Generator | None, preset: Preset | None = None) -> Iterator[np.ndarray]:
     """Waveform chunks for a token stream, each yielded as soon as its tokens have arrived.
 
     `tokens` is consumed lazily (the LLM decoder, or any token source), so decoding and chunk emission interleave
-    in the caller's thread; rng None switches the NSF noise off.
+    in the caller's thread; rng None switches the NSF noise off. A preset with a `stream_window` re-solves only
+    the prompt and the tokens from `preset.window_start` on (bounded re-solve; presets.py).
     """
+    preset = preset or flow.official
     ratio = flow.config.token_mel_ratio
     schedule = ChunkSchedule(len(prompt.tokens), config)
     hift = VocoderStream(vocoder, config, rng)
@@ -61,10 +64,12 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
         size = schedule.ready(len(got))
         if size is None:
             continue
-        mel = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
-        yield hift.chunk(mel[:, :, ratio * schedule.offset:], final=False)
+        start = preset.window_start(schedule.offset, config.hops[0])
+        mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start)
+        yield hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
         schedule.advance()
     if not got:
         return
-    mel = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
-    yield hift.chunk(mel[:, :, ratio * schedule.offset:], final=True)
+    start = preset.window_start(schedule.offset, config.hops[0])
+    mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start)
+    yield hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
