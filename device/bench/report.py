@@ -51,7 +51,7 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
     for run in report["runs"]:
         ref = references.get(run["stream"])
         if run["backend"] == "device" and run["concurrency"] == 1 and ref and ref["rtf"]:
-            lines.append(f"device {run_precision(run)} {run.get('preset') or ''} / reference RTF, "
-                         f"stream {'on' if run['stream'] else 'off'}: "
+            label = " ".join(filter(None, (run_precision(run), run.get("preset"))))
+            lines.append(f"device {label} / reference RTF, stream {'on' if run['stream'] else 'off'}: "
                          f"{run['rtf'] / ref['rtf']:.3f}")
     return "\n".join(lines)

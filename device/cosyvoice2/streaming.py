@@ -54,7 +54,6 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
     in the caller's thread; rng None switches the NSF noise off. A preset with a `stream_window` re-solves only
     the prompt and the tokens from `preset.window_start` on (bounded re-solve; presets.py).
     """
-    preset = preset or flow.official
     ratio = flow.config.token_mel_ratio
     schedule = ChunkSchedule(len(prompt.tokens), config)
     hift = VocoderStream(vocoder, config, rng)
@@ -64,12 +63,12 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
         size = schedule.ready(len(got))
         if size is None:
             continue
-        start = preset.window_start(schedule.offset, config.hops[0])
+        start = preset.window_start(schedule.offset, config.hops[0]) if preset else 0
         mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start)
         yield hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
         schedule.advance()
     if not got:
         return
-    start = preset.window_start(schedule.offset, config.hops[0])
+    start = preset.window_start(schedule.offset, config.hops[0]) if preset else 0
     mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start)
     yield hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)

@@ -13,7 +13,7 @@ import pytest
 
 from cosyedge.device.cli import main
 
-RUN_KEYS = {"backend", "bundle", "precision", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
+RUN_KEYS = {"backend", "bundle", "precision", "preset", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
             "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "throughput_audio_s_per_s"}
 STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift"}
 GRAPHS = {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
@@ -120,3 +120,17 @@ def test_precisions_side_by_side_report_the_precision_of_every_stage(cv2_tiny_cp
     assert int8["llm_prefill"] == int8["llm_decode"] == "int8"  # the cpu target always quantises the LLM
     targets = json.loads((cv2_tiny_cpu_bundle / "manifest.json").read_text())["config"]["targets"]["cpu"]["graphs"]
     assert target == {graph: entry["precision"] for graph, entry in targets.items() if graph in target}
+
+
+def test_presets_are_measured_like_precisions(cv2_tiny_bundle, tmp_path, capsys):
+    """`--presets all`: one run per preset of the bundle, each carrying `preset` beside `precision`."""
+    out = tmp_path / "bench.json"
+    offered = list(json.loads((cv2_tiny_bundle / "manifest.json").read_text())["config"]["presets"])
+    assert main(["bench", "--bundle", str(cv2_tiny_bundle), "--presets", "all", "--concurrency", "1",
+                 "--stream", "on", "--tokens", str(TOKENS), "--texts", "1", "--threads", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text(encoding="utf-8"))["runs"]
+    assert [r["preset"] for r in runs] == offered and len(offered) >= 2
+    assert all(set(r["precision"].values()) == {"fp32"} and r["first_chunk_s_p50"] for r in runs)
+    assert "fast" in capsys.readouterr().out
+    assert main(["bench", "--bundle", str(cv2_tiny_bundle), "--presets", "official,turbo", "--tokens", "3"]) == 2
+    assert "turbo" in capsys.readouterr().err
