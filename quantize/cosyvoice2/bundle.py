@@ -179,10 +179,9 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                   "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30,
                   **({"targets": built.targets} if built else {})}
         t0 = time.perf_counter()
-        graph_sets = {"fp32": {c.name: work / c.file for c in writer.components if c.precision == "fp32"}}
-        for target, entry in (built.targets if built else {}).items():
-            graph_sets[target] = {g: work / f"{ref['component']}.{ref['precision']}.onnx"
-                                  for g, ref in entry["graphs"].items()}
+        graph_sets = {target: {g: work / f"{ref['component']}.{ref['precision']}.onnx"
+                               for g, ref in entry["graphs"].items()} for target, entry in built.targets.items()} \
+            if built else {"fp32": {c.name: work / c.file for c in writer.components if c.precision == "fp32"}}
         offered, preset_quality = bundle_presets(graph_sets, fixed_noise(), config,
                                                  zero_shot_prompt([work / rel for _, rel in voices]), session, log.info)
         config.update(presets=offered, default_preset="official")
