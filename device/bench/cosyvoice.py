@@ -14,7 +14,8 @@ round-robin to fill the last batch); the c requests of a batch start together on
 * stage_s: seconds per stage summed over every request (frontend, llm_prefill, llm_decode, flow, hift); on the
   device they are the wall time of the stage's ORT graph calls, timed by the session factory the worker injects;
   llm_ms_per_token = llm_decode / decode steps;
-* peak_rss_mb: the worker's peak resident set during the configuration (the models stay resident).
+* peak_rss_mb: the worker's peak resident set during the configuration (the models stay resident);
+  stage_rss_mb: per stage, the largest resident set seen right after one of its graph calls.
 
 `--presets official,fast|all` measures each CosyVoice2 flow quality preset of the bundle (presets.py) on every
 device precision, as separate runs of the same worker (the preset is a per-request option); every run carries
@@ -102,6 +103,7 @@ class _Run:
     decode_steps: int = 0
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     peak_rss_mb: float = 0.0
+    stage_rss_mb: dict[str, float] = field(default_factory=dict)
 
     def add(self, reply: dict[str, Any]) -> None:
         self.wall_s += reply["wall_s"]
@@ -112,6 +114,8 @@ class _Run:
         for stage in STAGES:
             self.stage_s[stage] += reply["stage_s"].get(stage, 0.0)
         self.peak_rss_mb = max(self.peak_rss_mb, reply["peak_rss_mb"])
+        for stage, rss in reply.get("stage_rss_mb", {}).items():
+            self.stage_rss_mb[stage] = max(self.stage_rss_mb.get(stage, 0.0), rss)
 
     def row(self, info: dict[str, Any], preset: str, concurrency: int, stream: bool) -> dict[str, Any]:
         audio = self.audio_s or float("nan")
@@ -125,7 +129,7 @@ class _Run:
                 "llm_ms_per_token": round(1000 * self.stage_s["llm_decode"] / self.decode_steps, 2)
                 if self.decode_steps else None,
                 "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},
-                "peak_rss_mb": self.peak_rss_mb,
+                "peak_rss_mb": self.peak_rss_mb, "stage_rss_mb": dict(self.stage_rss_mb),
                 "throughput_audio_s_per_s": round(self.audio_s / self.wall_s, 4) if self.wall_s else None}
 
 

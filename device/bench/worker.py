@@ -90,6 +90,7 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
             errors.append(exc)
 
     backend.clock.take()
+    backend.clock.take_rss()
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
     start = time.perf_counter()
     for thread in threads:
@@ -105,7 +106,7 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
             "first_chunk_s": [r["first_chunk_s"] for r in rows if r["first_chunk_s"] is not None],
             "audio_s": sum(r["samples"] for r in rows) / backend.sample_rate,
             "decode_steps": max(tokens - sum(r["segments"] for r in rows), 0),
-            "stage_s": backend.clock.take(), "peak_rss_mb": peak_rss_mb()}
+            "stage_s": backend.clock.take(), "stage_rss_mb": backend.clock.take_rss(), "peak_rss_mb": peak_rss_mb()}
 
 
 def serve(load: Callable[[], Backend]) -> int:

@@ -14,7 +14,8 @@ import pytest
 from cosyedge.device.cli import main
 
 RUN_KEYS = {"backend", "bundle", "precision", "preset", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
-            "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "throughput_audio_s_per_s"}
+            "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "stage_rss_mb",
+            "throughput_audio_s_per_s"}
 STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift"}
 GRAPHS = {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
 TOKENS = 30  # > first hop + look-ahead (28): every streaming request yields a chunk before its final one
@@ -45,6 +46,9 @@ def test_report_schema_for_device_runs(bench):
         assert set(run["precision"]) == GRAPHS and set(run["precision"].values()) == {"fp32"}
         assert run["rtf"] > 0 and run["wall_s"] > 0 and run["throughput_audio_s_per_s"] > 0
         assert run["llm_ms_per_token"] > 0 and run["peak_rss_mb"] > 0
+        if run["backend"] == "device":  # resident set after each stage's graph calls, never above the peak
+            assert set(run["stage_rss_mb"]) == STAGES - {"frontend"}
+            assert all(0 < v <= run["peak_rss_mb"] for v in run["stage_rss_mb"].values())
         assert run["stage_s"]["llm_decode"] > 0 and run["stage_s"]["flow"] > 0 and run["stage_s"]["hift"] > 0
 
 
