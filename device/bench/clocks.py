@@ -74,7 +74,9 @@ class TimedSession:
 
     def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
         with self._clock.timed(self._stage):
-            return self._session.run_with_iobinding(*args, **kwargs)
+            out = self._session.run_with_iobinding(*args, **kwargs)
+        self._clock.note_rss(self._stage)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
