@@ -170,12 +170,14 @@ def _native_voice(body: dict[str, Any], aliases: Mapping[str, str]) -> str | int
 
 
 def _native_options(engine: Engine, body: dict[str, Any], aliases: Mapping[str, str]) -> SynthesisOptions:
-    """The native routes' options: voice or speaker_id, speed, seed, determinism and the CosyVoice fields."""
+    """The native routes' options: voice or speaker_id, speed, seed, determinism and the CosyVoice fields
+    (mode, instruct_text, sampling, preset)."""
     return _options(engine, _native_voice(body, aliases), _speed(body.get("speed")),
                     deterministic=_bool(body.get("deterministic"), "deterministic"), seed=_seed(body.get("seed")),
                     mode=_optional_str(body.get("mode"), "mode"),
                     instruct_text=_optional_str(body.get("instruct_text"), "instruct_text"),
-                    sampling=_optional_str(body.get("sampling"), "sampling") or "default")
+                    sampling=_optional_str(body.get("sampling"), "sampling") or "default",
+                    preset=_optional_str(body.get("preset"), "preset"))
 
 
 # -- bodies ------------------------------------------------------------------------------------------
@@ -194,7 +196,8 @@ def speech(body: dict[str, Any], engine: Engine, aliases: Mapping[str, str]) -> 
     fmt = _format(body.get("response_format"), "mp3")
     # OpenAI's `instructions` ("speak cheerfully") is CosyVoice's instruct2 text; Piper voices ignore it.
     options = _options(engine, _voice_name(voice, aliases), _speed(body.get("speed")),
-                       instruct_text=instructions if engine.bundle.manifest.family != "vits" else None)
+                       instruct_text=instructions if engine.bundle.manifest.family != "vits" else None,
+                       preset=_optional_str(body.get("preset"), "preset"))
     return Speech(text, _segments(engine, text, "input"), options, fmt, _bool(body.get("stream"), "stream"))
 
 

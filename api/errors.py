@@ -25,6 +25,7 @@ DEVICE_ERRORS: dict[str, tuple[int, str]] = {
     "empty_text": (400, "empty_text"),
     "text_too_long": (413, "text_too_long"),
     "unknown_voice": (400, "unknown_voice"),
+    "unknown_preset": (400, "unknown_preset"),
     "invalid_voice": (400, "invalid_voice"),
     "voice_exists": (409, "voice_exists"),
     "voice_not_found": (404, "voice_not_found"),

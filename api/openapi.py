@@ -48,7 +48,9 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
               "mode": {"enum": ["zero_shot", "sft", "cross_lingual", "instruct2"],
                        "description": "CosyVoice bundles: inference mode (default: the voice's own)"},
               "instruct_text": {"type": "string", "description": "CosyVoice instruct2: how to speak"},
-              "sampling": {"enum": ["default", "greedy"], "default": "default"}}
+              "sampling": {"enum": ["default", "greedy"], "default": "default"},
+              "preset": {"type": "string", "description": "CosyVoice2 flow quality preset: official (default) or a "
+                                                          "faster one the bundle lists (`cosyedge info`: config.presets)"}}
     document = {
         "openapi": "3.1.0",
         "info": {"title": "cosyedge", "version": "1", "description": "Offline text-to-speech on localhost"},
@@ -62,7 +64,8 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
                                    "voice": {**voice, "examples": list(OPENAI_VOICES)},
                                    "response_format": {"enum": list(FORMATS), "default": "mp3"},
                                    "speed": speed, "stream": {"type": "boolean", "default": False},
-                                   "stream_format": {"enum": ["audio"]}, "instructions": {"type": "string"}}}}}},
+                                   "stream_format": {"enum": ["audio"]}, "instructions": {"type": "string"},
+                                   "preset": native["preset"]}}}}},
                 "responses": {"200": _AUDIO, **_errors(*_SYNTH_ERRORS)}}},
             "/v1/tts": {"post": {
                 "summary": "Speak one text",

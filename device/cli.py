@@ -46,7 +46,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     check_sample_rate(args.sample_rate)
     engine = _engine(args)
     segment = engine.synthesize(text, voice=args.voice, speed=args.speed, deterministic=args.deterministic,
-                                seed=args.seed, sampling=args.sampling, mode=args.mode, instruct_text=args.instruct)
+                                seed=args.seed, sampling=args.sampling, mode=args.mode, instruct_text=args.instruct,
+                                preset=args.preset)
     try:
         out.write_bytes(encode(segment, fmt, args.sample_rate))
     except OSError as exc:  # a file system that refuses (read-only, /proc, full): the user's to fix
@@ -128,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=["zero_shot", "sft", "cross_lingual", "instruct2"],
                    help="CosyVoice: inference mode (default: the voice's own)")
     p.add_argument("--instruct", help="CosyVoice instruct2: how to speak, e.g. '用四川话说这句话'")
+    p.add_argument("--preset", help="CosyVoice2 flow quality preset: official (default), or a faster one the "
+                                    "bundle lists (`cosyedge info`: presets and their measured distance)")
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("synth-batch", help="speak every line of a .txt or .csv (id,text) file, resumably")

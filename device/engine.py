@@ -18,8 +18,8 @@ from pydub import AudioSegment
 from cosyedge.device import families
 from cosyedge.device.audio import to_audio_segment
 from cosyedge.device.bundle import PRECISIONS, TARGETS, Bundle
-from cosyedge.device.errors import (BundleError, Cancelled, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError, UnknownVoiceError,
-                                    VoiceExistsError)
+from cosyedge.device.errors import (BundleError, Cancelled, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError,
+                                    UnknownPresetError, UnknownVoiceError, VoiceExistsError)
 from cosyedge.device.options import SEED_MAX, SPEED_RANGE, BatchLimits, Segment, SynthesisOptions
 from cosyedge.device.paths import state_dir as default_state_dir
 from cosyedge.device.pipeline import Pipeline
@@ -167,15 +167,18 @@ class Engine:
     # -- request validation -----------------------------------------------------------------
     def options(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,
                 seed: int | None = None, sampling: str = "default", mode: str | None = None,
-                instruct_text: str | None = None) -> SynthesisOptions:
+                instruct_text: str | None = None, preset: str | None = None) -> SynthesisOptions:
         """Validate per-request options once; the result is immutable and private to the request."""
         if sampling not in ("default", "greedy"):
             raise InputError(f"unknown sampling {str(sampling)[:32]!r}; choose default or greedy")
         if instruct_text is not None and not isinstance(instruct_text, str):
             raise InputError("instruct_text must be a string")
+        if preset is not None and preset not in self.pipeline.presets():
+            offered = ", ".join(self.pipeline.presets()) or "none (this model has no quality presets)"
+            raise UnknownPresetError(f"unknown preset {str(preset)[:32]!r}; this bundle offers: {offered}")
         options = SynthesisOptions(voice=_speaker(voice, self.voices()), speed=_speed(speed),
                                    deterministic=bool(deterministic), seed=_seed(seed), sampling=sampling,
-                                   mode=mode or None, instruct_text=instruct_text or None)
+                                   mode=mode or None, instruct_text=instruct_text or None, preset=preset)
         self.pipeline.check_options(options)
         return options
 

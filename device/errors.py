@@ -47,6 +47,11 @@ class UnknownVoiceError(InputError):
     code = "unknown_voice"
 
 
+class UnknownPresetError(InputError):
+    """The quality preset is not one the bundle offers."""
+    code = "unknown_preset"
+
+
 class InvalidVoiceError(InputError):
     """A voice to register is unusable: bad prompt audio, bad name or a missing transcript."""
     code = "invalid_voice"

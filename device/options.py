@@ -21,6 +21,7 @@ class SynthesisOptions:
     mode: str | None = None  # CosyVoice: zero_shot, sft, cross_lingual, instruct2 (None = the voice's default)
     instruct_text: str | None = None  # CosyVoice instruct2: how to speak ("用四川话说这句话")
     pin_tokens: int | None = None  # CosyVoice bench: generate exactly this many speech tokens per segment (no stop)
+    preset: str | None = None  # CosyVoice2 flow quality preset (official, balanced, fast; None = the bundle default)
 
 
 @dataclass(frozen=True)

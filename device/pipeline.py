@@ -58,6 +58,10 @@ class Pipeline(abc.ABC):
         """Precision per stage, providers, sizes: for `cosyedge info`, the bench and /v1/models."""
 
     # -- optional, with defaults ------------------------------------------------------------
+    def presets(self) -> list[str]:
+        """Quality presets a request may name in `SynthesisOptions.preset` (default: none, only None is valid)."""
+        return []
+
     def validate_text(self, text: object, max_chars: int) -> str:
         """Type, emptiness, length and something speakable; returns the text the family's `segments` expects
         (default: the generic NFKC clean-up; a family whose frontend normalises itself returns the raw text)."""

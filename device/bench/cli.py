@@ -43,6 +43,7 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
                                  streams=list(dict.fromkeys(streams)), tokens=args.tokens,
                                  reference=Path(args.reference) if args.reference else None, threads=args.threads,
                                  texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling,
+                                 presets=args.presets.split(",") if args.presets else None,
                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(cosyvoice_table(report))
     if out:
@@ -60,7 +61,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_cosyvoice(args)
     from cosyedge.device.bench.engine import run_bench
     from cosyedge.device.bench.report import engine_table, write_json
-    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts")
+    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts", "presets")
              if getattr(args, name) is not None]
     if given:
         raise InputError(f"--{given[0]} applies to CosyVoice bundles only")
@@ -82,6 +83,11 @@ def cmd_bench_graphs(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report, Path(args.json))
     print(json.dumps(report, indent=2))
+    e, ceiling = report["estimator"], report["estimator"]["gemm_ceiling"]
+    print(f"flow_estimator ({args.precision}): {e['gop_per_call']} GOP per call, {report['graph_ms']['flow_estimator_call']} "
+          f"ms -> {e['achieved_gops']} GOP/s; plain {'x'.join(map(str, ceiling['shape_mkn']))} GEMM on "
+          f"{args.threads} threads: fp32 {ceiling['fp32_gops']} GOP/s, dynamic int8 {ceiling['int8_dynamic_gops']} GOP/s",
+          file=sys.stderr)
     return 0
 
 
@@ -104,6 +110,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--chart", help="write a PNG bar chart (RTF, first-chunk p50, throughput per run); "
                                     "needs matplotlib: pip install cosyedge[chart]")
     cv.add_argument("--texts", type=int, help="use the first N texts of the fixed set (zh and en alternate)")
+    cv.add_argument("--presets", help="CosyVoice2 flow quality presets, comma list or 'all' (default: the bundle's "
+                                      "default preset); each is measured like a precision")
     cv.add_argument("--sampling", choices=["greedy", "default"], default="greedy",
                     help="greedy (no NSF noise) or the release's sampler")
     p.set_defaults(func=cmd_bench)

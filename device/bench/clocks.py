@@ -20,11 +20,24 @@ SessionFactory = Callable[[Path, SessionConfig], Any]
 
 
 class StageClock:
-    """Seconds per stage, summed over every thread of a process."""
+    """Seconds per stage, summed over every thread of a process, and the largest resident set seen right after
+    a graph call of each stage (ORT keeps its arena, so this is the stage's footprint, all threads together)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seconds = dict.fromkeys(STAGES, 0.0)
+        self._rss: dict[str, float] = {}
+
+    def note_rss(self, stage: str) -> None:
+        rss = current_rss_mb()
+        with self._lock:
+            self._rss[stage] = max(self._rss.get(stage, 0.0), rss)
+
+    def take_rss(self) -> dict[str, float]:
+        """Resident MB after each stage's calls so far (stages with calls only), and forget them."""
+        with self._lock:
+            rss, self._rss = self._rss, {}
+        return rss
 
     def add(self, stage: str, seconds: float) -> None:
         with self._lock:
@@ -55,11 +68,15 @@ class TimedSession:
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         with self._clock.timed(self._stage):
-            return self._session.run(*args, **kwargs)
+            out = self._session.run(*args, **kwargs)
+        self._clock.note_rss(self._stage)
+        return out
 
     def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
         with self._clock.timed(self._stage):
-            return self._session.run_with_iobinding(*args, **kwargs)
+            out = self._session.run_with_iobinding(*args, **kwargs)
+        self._clock.note_rss(self._stage)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
@@ -80,6 +97,15 @@ def timing_factory(clock: StageClock, create: SessionFactory = create_session) -
         return TimedSession(session, stage, clock) if stage else session
 
     return factory
+
+
+def current_rss_mb() -> float:
+    """Resident set of this process now (Linux /proc/self/statm; 0 elsewhere)."""
+    try:
+        import os
+        return round(int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def reset_peak_rss() -> None:

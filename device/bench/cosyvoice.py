@@ -14,7 +14,12 @@ round-robin to fill the last batch); the c requests of a batch start together on
 * stage_s: seconds per stage summed over every request (frontend, llm_prefill, llm_decode, flow, hift); on the
   device they are the wall time of the stage's ORT graph calls, timed by the session factory the worker injects;
   llm_ms_per_token = llm_decode / decode steps;
-* peak_rss_mb: the worker's peak resident set during the configuration (the models stay resident).
+* peak_rss_mb: the worker's peak resident set during the configuration (the models stay resident);
+  stage_rss_mb: per stage, the largest resident set seen right after one of its graph calls.
+
+`--presets official,fast|all` measures each CosyVoice2 flow quality preset of the bundle (presets.py) on every
+device precision, as separate runs of the same worker (the preset is a per-request option); every run carries
+`precision` and `preset` (the reference is the official recipe: `official`).
 
 `--tokens N` pins every segment to exactly N speech tokens (`SynthesisOptions.pin_tokens`: no stop id can be
 chosen), because random-weight bundles never stop sensibly; without it lengths follow the model.
@@ -28,7 +33,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -58,7 +63,8 @@ class Worker:
 
     def batch(self, texts: Sequence[str], stream: bool, settings: Settings, reset_peak: bool) -> dict[str, Any]:
         self._send({"cmd": "batch", "texts": list(texts), "stream": stream, "reset_peak": reset_peak,
-                    "settings": {"tokens": settings.tokens, "sampling": settings.sampling, "seed": settings.seed}})
+                    "settings": {"tokens": settings.tokens, "sampling": settings.sampling, "seed": settings.seed,
+                                 "preset": settings.preset}})
         return self._receive()
 
     def close(self) -> None:
@@ -97,6 +103,7 @@ class _Run:
     decode_steps: int = 0
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     peak_rss_mb: float = 0.0
+    stage_rss_mb: dict[str, float] = field(default_factory=dict)
 
     def add(self, reply: dict[str, Any]) -> None:
         self.wall_s += reply["wall_s"]
@@ -107,12 +114,14 @@ class _Run:
         for stage in STAGES:
             self.stage_s[stage] += reply["stage_s"].get(stage, 0.0)
         self.peak_rss_mb = max(self.peak_rss_mb, reply["peak_rss_mb"])
+        for stage, rss in reply.get("stage_rss_mb", {}).items():
+            self.stage_rss_mb[stage] = max(self.stage_rss_mb.get(stage, 0.0), rss)
 
-    def row(self, info: dict[str, Any], concurrency: int, stream: bool) -> dict[str, Any]:
+    def row(self, info: dict[str, Any], preset: str, concurrency: int, stream: bool) -> dict[str, Any]:
         audio = self.audio_s or float("nan")
         first = np.asarray(self.first_chunk_s, np.float64)
         streamed = stream and first.size > 0
-        return {"backend": info["backend"], "bundle": info["bundle"], "precision": info["precision"],
+        return {"backend": info["backend"], "bundle": info["bundle"], "precision": info["precision"], "preset": preset,
                 "concurrency": concurrency, "stream": stream, "audio_s": round(self.audio_s, 3),
                 "wall_s": round(self.wall_s, 3), "rtf": round(sum(self.latency_s) / audio, 4),
                 "first_chunk_s_p50": round(float(np.percentile(first, 50)), 4) if streamed else None,
@@ -120,7 +129,7 @@ class _Run:
                 "llm_ms_per_token": round(1000 * self.stage_s["llm_decode"] / self.decode_steps, 2)
                 if self.decode_steps else None,
                 "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},
-                "peak_rss_mb": self.peak_rss_mb,
+                "peak_rss_mb": self.peak_rss_mb, "stage_rss_mb": dict(self.stage_rss_mb),
                 "throughput_audio_s_per_s": round(self.audio_s / self.wall_s, 4) if self.wall_s else None}
 
 
@@ -153,15 +162,32 @@ def _precisions(bundle: Path, precisions: Sequence[str]) -> list[str]:
     return chosen
 
 
+def _presets(bundle: Path, presets: Sequence[str] | None) -> list[str]:
+    """The requested flow presets in the order asked (`all`: every preset of the bundle); None: the default."""
+    from cosyedge.device.bundle import Bundle
+    from cosyedge.device.cosyvoice2.presets import bundle_presets
+    offered, default, _ = bundle_presets(Bundle.load(bundle, verify=False).manifest.config)
+    if not presets:
+        return [default]
+    chosen = list(offered) if list(presets) == ["all"] else list(dict.fromkeys(presets))
+    unknown = [p for p in chosen if p not in offered]
+    if unknown:
+        raise InputError(f"--presets: bundle {Path(bundle).name!r} has no preset {unknown[0][:32]!r}; "
+                         f"it has {', '.join(offered)}")
+    return chosen
+
+
 def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Sequence[int] = (1, 4, 8),
                         streams: Sequence[bool] = (True, False), tokens: int | None = None,
                         reference: Path | None = None, threads: int = 2, texts: Sequence[str] = TEXTS,
-                        rounds: int = 1, sampling: str = "greedy",
+                        rounds: int = 1, sampling: str = "greedy", presets: Sequence[str] | None = None,
                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The report `{"machine": ..., "runs": [...]}`; the reference (PyTorch, fp32, same release) runs at
-    concurrency 1 only, interleaved batch by batch with the device precisions. `progress` gets a line per batch."""
+    concurrency 1 only, interleaved batch by batch with the device precisions and presets (one run per precision
+    and preset; a precision's presets share its worker). `progress` gets a line per batch."""
     say = progress or (lambda line: None)
     chosen = _precisions(bundle, precisions)
+    chosen_presets = _presets(bundle, presets)
     if tokens is not None and tokens < 1:
         raise InputError("--tokens must be at least 1")
     if not texts or any(c < 1 for c in concurrency) or rounds < 1 or sampling not in ("greedy", "default"):
@@ -174,6 +200,11 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     if reference is not None:
         workers["reference"] = Worker("reference", [python, "-m", REFERENCE_WORKER, "--worker", str(reference),
                                                     "--threads", str(threads)])
+    # run name -> (worker, preset): every device precision once per preset, the reference once
+    plan = {(f"{name}/{preset}" if len(chosen_presets) > 1 else name): (name, preset)
+            for name in workers if name != "reference" for preset in chosen_presets}
+    if reference is not None:
+        plan["reference"] = ("reference", "official")
     runs = []
     turn = 0  # ABBA over every batch of the whole bench, so single-batch configurations alternate too
     try:
@@ -182,18 +213,20 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
             say(f"{name}: ready, peak RSS {info['peak_rss_mb']:.0f} MB")
         for c in concurrency:
             for stream in streams:
-                names = [n for n in workers if c == 1 or n != "reference"]
+                names = [n for n in plan if c == 1 or n != "reference"]
                 acc = {name: _Run() for name in names}
                 for _ in range(rounds):
                     for index, batch in enumerate(batches(texts, c)):
                         for name in (names if turn % 2 == 0 else names[::-1]):
+                            worker, preset = plan[name]
                             first = not acc[name].latency_s
-                            reply = workers[name].batch(batch, stream, settings, reset_peak=first)
+                            reply = workers[worker].batch(batch, stream, replace(settings, preset=preset),
+                                                          reset_peak=first)
                             acc[name].add(reply)
                             say(f"{name}: concurrency {c}, stream {'on' if stream else 'off'}, batch {index + 1}: "
                                 f"{reply['audio_s']:.2f} s of audio in {reply['wall_s']:.2f} s")
                         turn += 1
-                runs += [acc[name].row(workers[name].info, c, stream) for name in names]
+                runs += [acc[name].row(workers[plan[name][0]].info, plan[name][1], c, stream) for name in names]
     finally:
         for worker in workers.values():
             worker.close()

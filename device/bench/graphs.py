@@ -3,6 +3,10 @@
 Synthetic inputs of the real shapes (random weights never stop sensibly, so lengths are pinned): LLM prefill over
 `prompt` positions, `tokens` decode steps with a growing cache, the flow encoder and `n_timesteps` CFG estimator
 calls over 2 * tokens mel frames, and both HiFT graphs. The median of `repeats` rounds (after one warm-up round).
+
+The estimator's arithmetic (multiply-adds per call and per mel frame, counted from the fp32 graph: ops.py) gives its
+achieved operations per second at the selected precision, printed beside a plain GEMM micro-benchmark on the same
+threads (fp32 and dynamic int8: the practical ceiling of the CPU's kernels).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cosyedge.device.bench.clocks import peak_rss_mb
+from cosyedge.device.bench.ops import gemm_ceiling, profiled_macs
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.sessions import SessionConfig
 
@@ -71,8 +76,14 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
                "hift": (ms["hift_source"] + ms["hift_decoder"]) / 1000}
     audio_s = frames * cfg["hift_upsample"] / bundle.manifest.sample_rate
     sizes = {name: round(bundle.path(c.file).stat().st_size / 2**20, 1) for name, c in selected.items()}
+    arithmetic = profiled_macs(bundle.path(bundle.component("flow_estimator", "fp32").file), feeds, threads)
+    gop = 2 * arithmetic["macs"] / 1e9
+    estimator = {"gop_per_call": round(gop, 2), "mac_per_frame": round(arithmetic["macs"] / (2 * frames)),
+                 "macs_by_op": arithmetic["macs_by_op"],
+                 "achieved_gops": round(gop / (ms["flow_estimator_call"] / 1000), 1), "gemm_ceiling": gemm_ceiling(threads)}
     return {"bundle": bundle.manifest.name, "precision": {name: c.precision for name, c in selected.items()},
             "selection": precision, "tokens": tokens, "prompt_positions": prompt,
             "threads": threads, "graph_ms": ms, "stage_s": {k: round(v, 3) for k, v in stage_s.items()},
             "audio_s": audio_s, "rtf_graphs_only": round(sum(stage_s.values()) / audio_s, 3), "graph_mb": sizes,
+            "estimator": estimator,
             "peak_rss_mb": peak_rss_mb()}

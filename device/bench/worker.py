@@ -42,6 +42,7 @@ class Settings:
     tokens: int | None
     sampling: str  # "greedy" (argmax, no NSF noise) or "default" (the release's sampler, seeded noise)
     seed: int = 0
+    preset: str | None = None  # CosyVoice2 flow quality preset (None: the bundle default; the reference ignores it)
 
 
 class Backend:
@@ -89,6 +90,7 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
             errors.append(exc)
 
     backend.clock.take()
+    backend.clock.take_rss()
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(texts))]
     start = time.perf_counter()
     for thread in threads:
@@ -99,12 +101,16 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
     if errors:
         raise errors[0]
     rows = [r for r in results if r is not None]
+    stage_rss = backend.clock.take_rss()
     tokens = sum(r["samples"] for r in rows) // backend.samples_per_token
     return {"wall_s": wall, "latency_s": [r["latency_s"] for r in rows],
             "first_chunk_s": [r["first_chunk_s"] for r in rows if r["first_chunk_s"] is not None],
             "audio_s": sum(r["samples"] for r in rows) / backend.sample_rate,
             "decode_steps": max(tokens - sum(r["segments"] for r in rows), 0),
-            "stage_s": backend.clock.take(), "peak_rss_mb": peak_rss_mb()}
+            "stage_s": backend.clock.take(), "stage_rss_mb": stage_rss,
+            # VmHWM misses pages returned with madvise (glibc free) before the kernel updates it: never below a
+            # resident set seen after a stage
+            "peak_rss_mb": max([peak_rss_mb(), *stage_rss.values()])}
 
 
 def serve(load: Callable[[], Backend]) -> int:
@@ -165,7 +171,8 @@ class DeviceBackend(Backend):
     def synthesize(self, text: str, stream: bool, settings: Settings, index: int) -> tuple[int, Iterator[np.ndarray]]:
         greedy = settings.sampling == "greedy"
         options = replace(self.engine.options(deterministic=greedy, seed=settings.seed + index,
-                                              sampling=settings.sampling), pin_tokens=settings.tokens)
+                                              sampling=settings.sampling, preset=settings.preset),
+                          pin_tokens=settings.tokens)
         with self.clock.timed("frontend"):
             segments = self.engine.segments(text)
         pipeline = self.engine.pipeline

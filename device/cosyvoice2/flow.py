@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import onnxruntime as ort
 
+from cosyedge.device.cosyvoice2.presets import OFFICIAL, Preset
 from cosyedge.device.errors import InputError
 
 
@@ -57,15 +58,26 @@ class Flow:
         self._noise = noise
         self.config = config
 
-    def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool) -> np.ndarray:
-        """[1, M, ratio * n] mel of the generated tokens (prompt frames removed).
+    @property
+    def official(self) -> Preset:
+        """The release's recipe: `n_timesteps` steps, all guided, whole history."""
+        return Preset(OFFICIAL, self.config.n_timesteps, self.config.n_timesteps)
+
+    def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
+            preset: Preset | None = None, start: int = 0) -> np.ndarray:
+        """[1, M, ratio * (n - start)] mel of the generated tokens from `start` on (prompt frames removed).
 
         finalize=False: the last `pre_lookahead_len` tokens are look-ahead context only and produce no mel.
+        start > 0 (a preset's bounded streaming re-solve): tokens[:start] are left out of the flow's context; the
+        noise of every frame is still the one at its position in the whole utterance.
         """
-        mu, spks, cond = self._condition(prompt, tokens, finalize, streaming)
-        return self.solve(mu, spks, cond, streaming)[:, :, prompt.mel.shape[0]:]
+        mu, spks, cond = self._condition(prompt, tokens[start:], finalize, streaming)
+        skip = self.config.token_mel_ratio * start
+        return self.solve(mu, spks, cond, streaming, preset=preset, skip=(prompt.mel.shape[0], skip)
+                          )[:, :, prompt.mel.shape[0]:]
 
-    def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray],
+             preset: Preset | None = None) -> list[np.ndarray]:
         """Non-streaming mels of several token sequences, each with its own prompt (voice): one encoder call each,
         one padded Euler batch."""
         conditions = [self._condition(prompt, tokens, finalize=True, streaming=False)
@@ -78,7 +90,7 @@ class Flow:
                                    for c in conditions])
 
         mask = (np.arange(width)[None, None, :] < np.array(frames)[:, None, None]).astype(np.float32)
-        x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), False, mask)
+        x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), False, mask, preset)
         return [x[row:row + 1, :, prompt.mel.shape[0]:size] for row, (prompt, size) in enumerate(zip(prompts, frames))]
 
     def _condition(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool
@@ -100,30 +112,45 @@ class Flow:
         return mu, spks, cond
 
     def solve(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, streaming: bool,
-              mask: np.ndarray | None = None) -> np.ndarray:
+              mask: np.ndarray | None = None, preset: Preset | None = None,
+              skip: tuple[int, int] = (0, 0)) -> np.ndarray:
         """The official Euler solver with classifier-free guidance, float32 (t accumulated as the official loop).
 
         Rows [B, M, T] may be right-padded (mask [B, 1, T] zero there); every row starts from the same fixed
-        noise, as each would alone. The estimator runs on 2B rows: B conditional, then B unconditional.
+        noise, as each would alone. A guided step runs the estimator on 2B rows (B conditional, then B
+        unconditional); the preset's steps after `cfg_steps` run the B conditional rows alone. `skip` (at, n):
+        frames from `at` on take the noise n frames further on (a bounded re-solve left n frames out there).
         """
         c = self.config
-        t_span = cosine_t_span(c.n_timesteps)
+        preset = preset or self.official
+        t_span = cosine_t_span(preset.steps)
         rate = np.float32(c.inference_cfg_rate)
         rows, _, frames = mu.shape
         if mask is None:
             mask = np.ones((rows, 1, frames), np.float32)
-        x = np.repeat(self._noise[:, :, :frames].astype(np.float32), rows, axis=0)
+        at, gap = skip
+        noise = self._noise[:, :, :frames] if not gap else \
+            np.concatenate([self._noise[:, :, :at], self._noise[:, :, at + gap:frames + gap]], axis=2)
+        if noise.shape[2] < frames:
+            raise InputError(f"the utterance needs {frames + gap} mel frames; the flow supports at most "
+                             f"{self._noise.shape[2]}: use a shorter text or prompt")
+        x = np.repeat(noise.astype(np.float32), rows, axis=0)
         zeros = np.zeros_like(mu)
-        feeds = {"mask": np.concatenate([mask, mask]), "mu": np.concatenate([mu, zeros]),
-                 "spks": np.concatenate([spks, np.zeros_like(spks)]), "cond": np.concatenate([cond, zeros]),
-                 "streaming": _flag(streaming)}
+        guided = {"mask": np.concatenate([mask, mask]), "mu": np.concatenate([mu, zeros]),
+                  "spks": np.concatenate([spks, np.zeros_like(spks)]), "cond": np.concatenate([cond, zeros]),
+                  "streaming": _flag(streaming)}
+        plain = {"mask": mask, "mu": mu, "spks": spks, "cond": cond, "streaming": guided["streaming"]}
         t, dt = t_span[0], t_span[1] - t_span[0]
-        for step in range(1, c.n_timesteps + 1):
-            (v,) = self._estimator.run(None, feeds | {"x": np.concatenate([x, x]),
-                                                      "t": np.full(2 * rows, t, np.float32)})
-            x = x + dt * ((1 + rate) * v[:rows] - rate * v[rows:])
+        for step in range(1, preset.steps + 1):
+            if step <= preset.cfg_steps:
+                (v,) = self._estimator.run(None, guided | {"x": np.concatenate([x, x]),
+                                                           "t": np.full(2 * rows, t, np.float32)})
+                x = x + dt * ((1 + rate) * v[:rows] - rate * v[rows:])
+            else:
+                (v,) = self._estimator.run(None, plain | {"x": x, "t": np.full(rows, t, np.float32)})
+                x = x + dt * v
             t = t + dt
-            if step < c.n_timesteps:
+            if step < preset.steps:
                 dt = t_span[step + 1] - t
         return x.astype(np.float32, copy=False)
 

@@ -28,6 +28,7 @@ from cosyedge.device.cosyvoice2.features import FlowMelConfig, extract_prompt
 from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretch_mel
 from cosyedge.device.cosyvoice2.frontend import TextFrontend
 from cosyedge.device.cosyvoice2.llm import DecodeConfig, SpeechLM
+from cosyedge.device.cosyvoice2.presets import Preset, bundle_presets
 from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
 from cosyedge.device.cosyvoice2.streaming import ChunkGate, stream_tokens
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
@@ -74,6 +75,7 @@ class CosyVoice2Pipeline(Pipeline):
             noise = np.load(bundle.asset("cfm_noise"))
             noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
             self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg))
+            self._presets, self._default_preset, self._presets_measured = bundle_presets(cfg)
             self._vocoder = self._make_vocoder(s["hift_source"], s["hift_decoder"], cfg)
             self._stream_config = self._read_stream_config(cfg["stream"])
             self._mel_bins = int(cfg["mel"]["n_mels"])
@@ -114,6 +116,13 @@ class CosyVoice2Pipeline(Pipeline):
     # -- Pipeline contract ------------------------------------------------------------------
     def voices(self) -> list[str]:
         return list(self._voices)
+
+    def presets(self) -> list[str]:
+        return list(self._presets)
+
+    def _preset(self, request: SynthesisOptions) -> Preset:
+        """The request's flow preset (Engine.options checked the name), else the bundle default."""
+        return self._presets[request.preset or self._default_preset]
 
     def validate_text(self, text: object, max_chars: int) -> str:
         """The engine's checks (type, empty, length, something speakable), but the raw text is kept: the
@@ -166,9 +175,12 @@ class CosyVoice2Pipeline(Pipeline):
                 if tokens:
                     spoken.append((job, segment, inputs.flow, np.asarray(tokens, np.int64)))
         mels = {}
-        for batch in self._flow_batches(spoken, self._flow_rows):
-            for (job, segment, _, _), mel in zip(batch, self._flow.mels([s[2] for s in batch], [s[3] for s in batch])):
-                mels[job, segment] = mel
+        for preset in dict.fromkeys(self._preset(request) for _, request in jobs):  # one Euler recipe per batch
+            rows = [row for row in spoken if self._preset(jobs[row[0]][1]) == preset]
+            for batch in self._flow_batches(rows, self._flow_rows):
+                for (job, segment, _, _), mel in zip(batch, self._flow.mels([s[2] for s in batch],
+                                                                            [s[3] for s in batch], preset)):
+                    mels[job, segment] = mel
         out = []
         for job, ((segments, request), (_, rng, _)) in enumerate(zip(jobs, pending)):
             waves = [np.zeros(0, np.float32) for _ in segments]
@@ -228,6 +240,8 @@ class CosyVoice2Pipeline(Pipeline):
                 "providers": {name: s.get_providers()[0] for name, s in self._sessions.items()},
                 "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(MODES),
                 "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._stream_config),
+                "presets": {name: p.to_config() for name, p in self._presets.items()},
+                "default_preset": self._default_preset, "presets_measured": self._presets_measured,
                 "decode": self._decoder.stats()}
 
     # -- voices -----------------------------------------------------------------------------
@@ -286,7 +300,7 @@ class CosyVoice2Pipeline(Pipeline):
         if not request.deterministic and rng is None:
             rng = np.random.default_rng(request.seed)
         yield from stream_tokens(tokens, inputs.flow, self._flow, self._vocoder, self._stream_config,
-                                 None if request.deterministic else rng, self._chunk_gate)
+                                 None if request.deterministic else rng, self._chunk_gate, self._preset(request))
 
     def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator,
                 batch_max: int = DECODE_ROWS, stop: threading.Event | None = None) -> Iterator[int]:

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
+from cosyedge.device.cosyvoice2.presets import Preset
 from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder, VocoderStream
 
 
@@ -89,12 +90,15 @@ class ChunkGate:
 
 
 def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder: Vocoder, config: StreamConfig,
-                  rng: np.random.Generator | None, gate: ChunkGate | None = None) -> Iterator[np.ndarray]:
+                  rng: np.random.Generator | None, gate: ChunkGate | None = None,
+                  preset: Preset | None = None) -> Iterator[np.ndarray]:
     """Waveform chunks for a token stream, each yielded as soon as its tokens have arrived.
 
     `tokens` is consumed lazily (the LLM decoder, or any token source), so decoding and chunk emission interleave
     in the caller's thread; rng None switches the NSF noise off. With a `gate`, each chunk's flow + HiFT work
-    waits for its turn among the concurrent streams (fewest chunks emitted first).
+    waits for its turn among the concurrent streams (fewest chunks emitted first). A preset with a
+    `stream_window` re-solves only the prompt and the tokens from `preset.window_start` on (bounded re-solve;
+    presets.py).
     """
     ratio = flow.config.token_mel_ratio
     schedule = ChunkSchedule(len(prompt.tokens), config)
@@ -107,15 +111,17 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
         size = schedule.ready(len(got))
         if size is None:
             continue
+        start = preset.window_start(schedule.offset, config.hops[0]) if preset else 0
         with gate.turn(emitted, began):
-            mel = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
-            chunk = hift.chunk(mel[:, :, ratio * schedule.offset:], final=False)
+            mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start)
+            chunk = hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
         emitted += 1
         yield chunk
         schedule.advance()
     if not got:
         return
+    start = preset.window_start(schedule.offset, config.hops[0]) if preset else 0
     with gate.turn(emitted, began):
-        mel = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
-        chunk = hift.chunk(mel[:, :, ratio * schedule.offset:], final=True)
+        mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start)
+        chunk = hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
     yield chunk

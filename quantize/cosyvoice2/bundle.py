@@ -22,10 +22,11 @@ from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
 from cosyedge.quantize.cosyvoice2.flow_export import export_flow
 from cosyedge.quantize.cosyvoice2.hift import build_hift
 from cosyedge.quantize.cosyvoice2.hift_export import export_hift
-from cosyedge.quantize.cosyvoice2.gates import GateConfig
+from cosyedge.quantize.cosyvoice2.gates import GateConfig, session
 from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm
 from cosyedge.quantize.cosyvoice2.llm_export import embedding_tables, export_llm
 from cosyedge.quantize.cosyvoice2.precision import build_targets
+from cosyedge.quantize.cosyvoice2.preset_report import bundle_presets, zero_shot_prompt
 from cosyedge.quantize.cosyvoice2.release import YAML_NAME, Release
 from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
 
@@ -169,19 +170,27 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                 writer.add_component(component, precision, path.name)
             timings["targets"] = round(time.perf_counter() - t0, 2)
         del tables
+        config = {"speech_token_size": llm_config.speech_token_size, "eos": llm_config.eos,
+                  "stop_ids": list(llm_config.stop_ids), "min_token_text_ratio": llm_config.min_token_text_ratio,
+                  "max_token_text_ratio": llm_config.max_token_text_ratio, "sampling": _sampling(release.hparams),
+                  "token_mel_ratio": flow_config.token_mel_ratio, "pre_lookahead_len": flow_config.pre_lookahead_len,
+                  "n_timesteps": 10, "inference_cfg_rate": flow_config.inference_cfg_rate,
+                  "mel": _mel_config(release.hparams), "hift_upsample": 480, "stream": STREAM,
+                  "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30,
+                  **({"targets": built.targets} if built else {})}
+        t0 = time.perf_counter()
+        graph_sets = {target: {g: work / f"{ref['component']}.{ref['precision']}.onnx"
+                               for g, ref in entry["graphs"].items()} for target, entry in built.targets.items()} \
+            if built else {"fp32": {c.name: work / c.file for c in writer.components if c.precision == "fp32"}}
+        offered, preset_quality = bundle_presets(graph_sets, fixed_noise(), config,
+                                                 zero_shot_prompt([work / rel for _, rel in voices]), session, log.info)
+        config.update(presets=offered, default_preset="official")
+        timings["presets"] = round(time.perf_counter() - t0, 2)
 
         writer.write_manifest(
             family="cosyvoice2", name=release.root.name, sample_rate=int(release.hparams["sample_rate"]),
-            voices=tuple(name for name, _ in voices), default_precision="fp32",
-            config={"speech_token_size": llm_config.speech_token_size, "eos": llm_config.eos,
-                    "stop_ids": list(llm_config.stop_ids), "min_token_text_ratio": llm_config.min_token_text_ratio,
-                    "max_token_text_ratio": llm_config.max_token_text_ratio, "sampling": _sampling(release.hparams),
-                    "token_mel_ratio": flow_config.token_mel_ratio, "pre_lookahead_len": flow_config.pre_lookahead_len,
-                    "n_timesteps": 10, "inference_cfg_rate": flow_config.inference_cfg_rate,
-                    "mel": _mel_config(release.hparams), "hift_upsample": 480, "stream": STREAM,
-                    "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30,
-                    **({"targets": built.targets} if built else {})},
-            quality=built.quality if built else {},
+            voices=tuple(name for name, _ in voices), default_precision="fp32", config=config,
+            quality={**(built.quality if built else {}), "presets": preset_quality},
             provenance=provenance(release.root, timings),
         )
         path = writer.commit()  # validated by the runtime's own loader first

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from cosyedge.device.bundle import TARGETS
 from cosyedge.quantize.cosyvoice2.precision_targets import (CPU_LLM_METHOD, LADDERS, OPTIONAL_INT8, STAGE_GRAPHS,
-                                                            Variant, build_variant, stage_variants)
+                                                            Variant, build_variant, stage_variants, uncalibrated)
 
 
 def _return_freed_memory() -> None:
@@ -74,7 +74,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
         key = (v.component, v.precision)
         if key not in files:
             log(f"building {v.component}.{v.precision}")
-            needs = v.precision == "int8" and not (v.component == v.graph and v.graph.startswith("llm_"))
+            needs = v.precision == "int8" and not (v.component == v.graph and uncalibrated(v.graph))
             files[key] = build_variant(v, fp32[v.graph], work / f"{v.component}.{v.precision}.onnx",
                                        calibration_for(v.graph) if needs else None, cpu_llm_method)
             _return_freed_memory()

@@ -110,6 +110,7 @@ def int8_weights_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> P
     from onnxruntime.quantization import QuantType, quantize_dynamic
     model = onnx.load(str(src), load_external_data=False)
     names = [n.name for n in model.graph.node if name_matches(n.name, exclude)]
+    names += [f"{name}_MatMul" for name in names]  # ORT turns an excluded Gemm into `<name>_MatMul` + Add first
     with _quiet_root_logger():
         quantize_dynamic(str(src), str(dst), op_types_to_quantize=["MatMul"], per_channel=True, reduce_range=False,
                          weight_type=QuantType.QInt8, nodes_to_exclude=names,

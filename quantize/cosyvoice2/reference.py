@@ -73,7 +73,11 @@ class _TorchFlow:
     config: RuntimeFlowConfig
     clock: StageClock
 
-    def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool) -> np.ndarray:
+    def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
+            preset: object = None, start: int = 0) -> np.ndarray:
+        """The official recipe only: no flow preset, no bounded re-solve."""
+        if preset is not None or start:
+            raise ValueError("the PyTorch reference runs the official flow recipe only")
         with self.clock.timed("flow"):
             return self._mel(prompt, tokens, finalize, streaming)
 

@@ -138,3 +138,24 @@ def test_without_matplotlib_the_bench_writes_json_and_table_and_names_the_extra(
     assert not chart.exists()
     hints = [line for line in result.stderr.splitlines() if "pip install cosyedge[chart]" in line]
     assert len(hints) == 1 and "Traceback" not in result.stderr
+
+
+def test_device_worker_applies_the_preset(cv2_tiny_bundle):
+    """The bench's preset reaches the flow: `fast` calls the estimator 3 times per utterance, `official` 10."""
+    from cosyedge.device.bench.worker import TEXTS, DeviceBackend, Settings, run_batch
+    counting = CountingFactory()
+    backend = DeviceBackend(cv2_tiny_bundle, "fp32", threads=1, create=counting)
+    calls = {}
+    for preset in ("official", "fast"):
+        counting.runs.clear()
+        run_batch(backend, [TEXTS[1]], stream=False, settings=Settings(tokens=3, sampling="greedy", preset=preset))
+        calls[preset] = counting.runs["flow_estimator"]
+    assert calls == {"official": 10, "fast": 3}
+
+
+def test_multiply_adds_of_products_from_their_shapes():
+    from cosyedge.device.bench.ops import node_macs
+    assert node_macs("MatMul", [[2, 10, 64], [64, 32]], [[2, 10, 32]]) == 2 * 10 * 32 * 64
+    assert node_macs("Conv", [[1, 16, 50], [32, 16, 3], [32]], [[1, 32, 50]]) == 32 * 50 * 16 * 3
+    assert node_macs("Conv", [[1, 16, 50], [16, 1, 3]], [[1, 16, 50]]) == 16 * 50 * 3  # depthwise
+    assert node_macs("Add", [[4, 4], [4, 4]], [[4, 4]]) == 0

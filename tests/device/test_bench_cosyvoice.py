@@ -13,8 +13,9 @@ import pytest
 
 from cosyedge.device.cli import main
 
-RUN_KEYS = {"backend", "bundle", "precision", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
-            "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "throughput_audio_s_per_s"}
+RUN_KEYS = {"backend", "bundle", "precision", "preset", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
+            "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "stage_rss_mb",
+            "throughput_audio_s_per_s"}
 STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift"}
 GRAPHS = {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
 TOKENS = 30  # > first hop + look-ahead (28): every streaming request yields a chunk before its final one
@@ -45,6 +46,9 @@ def test_report_schema_for_device_runs(bench):
         assert set(run["precision"]) == GRAPHS and set(run["precision"].values()) == {"fp32"}
         assert run["rtf"] > 0 and run["wall_s"] > 0 and run["throughput_audio_s_per_s"] > 0
         assert run["llm_ms_per_token"] > 0 and run["peak_rss_mb"] > 0
+        if run["backend"] == "device":  # resident set after each stage's graph calls, never above the peak
+            assert set(run["stage_rss_mb"]) == STAGES - {"frontend"}
+            assert all(0 < v <= run["peak_rss_mb"] for v in run["stage_rss_mb"].values())
         assert run["stage_s"]["llm_decode"] > 0 and run["stage_s"]["flow"] > 0 and run["stage_s"]["hift"] > 0
 
 
@@ -120,3 +124,17 @@ def test_precisions_side_by_side_report_the_precision_of_every_stage(cv2_tiny_cp
     assert int8["llm_prefill"] == int8["llm_decode"] == "int8"  # the cpu target always quantises the LLM
     targets = json.loads((cv2_tiny_cpu_bundle / "manifest.json").read_text())["config"]["targets"]["cpu"]["graphs"]
     assert target == {graph: entry["precision"] for graph, entry in targets.items() if graph in target}
+
+
+def test_presets_are_measured_like_precisions(cv2_tiny_bundle, tmp_path, capsys):
+    """`--presets all`: one run per preset of the bundle, each carrying `preset` beside `precision`."""
+    out = tmp_path / "bench.json"
+    offered = list(json.loads((cv2_tiny_bundle / "manifest.json").read_text())["config"]["presets"])
+    assert main(["bench", "--bundle", str(cv2_tiny_bundle), "--presets", "all", "--concurrency", "1",
+                 "--stream", "on", "--tokens", str(TOKENS), "--texts", "1", "--threads", "1", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text(encoding="utf-8"))["runs"]
+    assert [r["preset"] for r in runs] == offered and len(offered) >= 2
+    assert all(set(r["precision"].values()) == {"fp32"} and r["first_chunk_s_p50"] for r in runs)
+    assert "fast" in capsys.readouterr().out
+    assert main(["bench", "--bundle", str(cv2_tiny_bundle), "--presets", "official,turbo", "--tokens", "3"]) == 2
+    assert "turbo" in capsys.readouterr().err

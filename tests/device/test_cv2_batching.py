@@ -75,9 +75,9 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     flow_rows: list[set[int]] = []
     mels = pipeline._flow.mels
 
-    def recorded(prompts, token_rows):
+    def recorded(prompts, token_rows, *preset):
         flow_rows.append({id(p) for p in prompts})  # one FlowPrompt object per request
-        return mels(prompts, token_rows)
+        return mels(prompts, token_rows, *preset)
 
     monkeypatch.setattr(pipeline._flow, "mels", recorded)
     before = pipeline._decoder.stats()

@@ -119,6 +119,10 @@ def test_bench_graphs_reports_every_stage(tiny_release, tmp_path):
                                        "hift_source", "hift_decoder"}
     assert all(v > 0 for v in report["graph_ms"].values()) and report["audio_s"] == 24 * 480 / 24000
     assert set(report["stage_s"]) == {"llm", "flow", "hift"} and report["peak_rss_mb"] > 0
+    estimator = report["estimator"]  # arithmetic counted from the graph, achieved rate beside the GEMM ceiling
+    assert {"MatMul", "Conv"} <= set(estimator["macs_by_op"]) and estimator["mac_per_frame"] > 0
+    assert estimator["achieved_gops"] > 0
+    assert estimator["gemm_ceiling"]["fp32_gops"] > 0 and estimator["gemm_ceiling"]["int8_dynamic_gops"] > 0
 
 
 def test_legacy_weight_norm_keys_load_the_same(release_copy):

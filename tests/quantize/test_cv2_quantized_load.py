@@ -124,6 +124,9 @@ def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
             ops = {n.op_type for n in model.graph.node}
             if target == "cpu" and graph.startswith("llm_"):
                 assert "MatMulNBits" in ops, (target, graph)
+            elif target == "cpu" and graph == "flow_estimator":  # dynamic int8: the CPU's integer kernels
+                assert {"MatMulInteger", "DynamicQuantizeLinear"} <= ops, (target, graph)
+                assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)
             else:
                 assert {"QuantizeLinear", "DequantizeLinear"} <= ops, (target, graph)
                 assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)
