@@ -167,7 +167,7 @@ class Session:
             raise SessionError("invalid_parameter", "sampling must be default or greedy")
         self.params = {"voice": self.service.aliases.get(voice, voice) if isinstance(voice, str) else voice,
                        "speed": message.get("speed", 1.0), "deterministic": deterministic, "seed": message.get("seed"),
-                       "sampling": sampling}
+                       "sampling": sampling, "preset": message.get("preset")}
         engine.options(**self.params)  # validated once, here: the errors come before any audio
         self.release = current_guard().streams.acquire(self.client)
         self.rate = engine.sample_rate

@@ -94,7 +94,7 @@ def measure_presets(presets: dict[str, Preset], graphs: dict[str, Path], noise: 
         seconds = time.perf_counter() - start
         calls, row_frames = estimator.take()
         start = time.perf_counter()
-        chunks = list(stream_tokens(iter(tokens.tolist()), prompt, flow, vocoder, stream, None, preset))
+        chunks = list(stream_tokens(iter(tokens.tolist()), prompt, flow, vocoder, stream, None, preset=preset))
         stream_seconds = time.perf_counter() - start
         stream_calls, stream_row_frames = estimator.take()
         return {"mel": mel, "wave": vocoder(mel, None), "stream_wave": np.concatenate(chunks),

@@ -161,6 +161,7 @@ def test_cancel_stops_the_audio(joe):
     ([_start(format="pcm", sample_rate=8000)], "unsupported_sample_rate"),
     ([_start(speed=9)], "invalid_parameter"),
     ([_start(model="gpt-5")], "unknown_model"),
+    ([_start(preset="turbo")], "unknown_preset"),
     ([_start(), _start()], "bad_message"),
     ([_start(), {"type": "text", "text": "x" * 2001}], "text_too_long"),
 ])

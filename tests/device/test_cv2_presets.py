@@ -122,7 +122,7 @@ def test_stream_window_bounds_the_resolve(engine: Engine, counter: Counter) -> N
     for preset in (pipeline._flow.official, Preset("window", 10, 10, 50)):
         counter.take()
         chunks = list(stream_tokens(iter(tokens), prompt, pipeline._flow, pipeline._vocoder,
-                                    pipeline._stream_config, None, preset))
+                                    pipeline._stream_config, None, preset=preset))
         runs[preset.name] = (chunks, counter.take())
     (official, (calls, work)), (windowed, (wcalls, wwork)) = runs["official"], runs["window"]
     assert [c.shape for c in official] == [c.shape for c in windowed] and calls == wcalls
