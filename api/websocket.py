@@ -13,6 +13,11 @@ takes what the client sent, so a `cancel` or a bad message stops the audio after
 closing the `engine.stream` generator frees its CosyVoice decode row. Text is cut into sentences by
 `SentenceStream` (the splitter `split_sentences` uses, the first one cut early at a clause); each sentence
 goes through `engine.stream`, so the family's own frontend rules apply to it as to an HTTP request's text.
+
+Nothing accepted is lost: every `text` piece is journalled when it arrives (`PieceJournal`) and closed once the
+sentences spoken cover it; a session that ends any other way than `done` or the client's own `cancel` (an error,
+a client that left, a shutdown) dead-letters its open pieces, and a SIGKILL leaves them to the next start's
+recovery, as for HTTP requests.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from simple_websocket import ConnectionClosed, Server
 
 from cosyedge.api.config import OPENAI_MODELS
 from cosyedge.api.errors import ApiError, ShuttingDown
+from cosyedge.api.journal import Journal
 from cosyedge.api.security import current_guard
 from cosyedge.api.service import Service, current_service
 from cosyedge.api.streaming import FfmpegEncoder
@@ -39,6 +45,46 @@ log = logging.getLogger(__name__)
 blueprint = Blueprint("websocket", __name__)
 WS_FORMATS = ("pcm", "wav", "mp3", "opus")
 ROUTE = "/v1/audio/stream"
+
+
+class PieceJournal:
+    """The journal entries of one session's text pieces: a piece is closed once the non-space characters of the
+    sentences spoken reach its end (the splitter keeps every non-space character of a speakable sentence)."""
+
+    def __init__(self, journal: Journal, request_id: str) -> None:
+        self.journal, self.request_id = journal, request_id
+        self.open: deque[tuple[str, dict[str, Any], int]] = deque()  # key, payload, cumulative end
+        self.received = self.spoken = 0
+
+    def accept(self, piece: str, params: dict[str, Any], fmt: str) -> None:
+        key = f"{self.request_id}-{self.received}-{len(self.open)}"
+        payload = {"text": piece, "voice": params.get("voice"), "speed": params.get("speed"), "format": fmt,
+                   "stream": True}
+        try:
+            self.journal.accepted(self.request_id, ROUTE, payload, key)
+        except OSError:
+            raise SessionError("journal_unavailable", "the service cannot record requests (state directory not "
+                               "writable); retry later") from None
+        self.received += _chars(piece)
+        self.open.append((key, payload, self.received))
+
+    def spoke(self, sentence: str) -> None:
+        self.spoken += _chars(sentence)
+        while self.open and self.open[0][2] <= self.spoken:
+            self.journal.finished(self.open.popleft()[0])
+
+    def close(self, detail: str | None) -> None:
+        """All open pieces: delivered or withdrawn by the client (detail None), else dead-lettered with `detail`."""
+        while self.open:
+            key, payload, _ = self.open.popleft()
+            if detail is None:
+                self.journal.finished(key)
+            else:
+                self.journal.dead_letter(ROUTE, self.request_id, payload, detail, key)
+
+
+def _chars(text: str) -> int:
+    return sum(not c.isspace() for c in text)
 
 
 class SessionError(Exception):
@@ -98,28 +144,38 @@ class Session:
         self.encoded = threading.Event()  # the encoder's output is all sent
         self.send_lock = threading.Lock()  # the session thread and the encoder's reader both send
         self.release = lambda: None
+        self.format = "pcm"
+        self.pieces = PieceJournal(service.journal, g.request_id)
 
     # -- the session ---------------------------------------------------------------------------
     def run(self) -> None:
+        unspoken: str | None = "the session ended before this text was spoken"
         try:
             self._serve()
+            unspoken = None
             self._send_json({"type": "done", "audio_s": self._clock(self.samples)})
         except _Cancelled:
+            unspoken = None  # the client's own say: withdrawn, not failed
             self._close_encoder()  # no encoded audio after `done`
             self._send_last({"type": "done", "audio_s": self._clock(self.samples), "cancelled": True})
         except (SessionError, ApiError) as exc:
+            unspoken = f"{exc.code}: {exc.message}"
             self._send_error(exc.code, exc.message)
         except CosyedgeError as exc:
             error = ApiError.from_device(exc)
+            unspoken = f"{error.code}: {exc}"
             if error.status >= 500:
                 log.error("websocket session: %s: %s", type(exc).__name__, exc)
             self._send_error(error.code, error.message)
         except ConnectionClosed:
+            unspoken = "the client left before this text was spoken"
             log.info("websocket client left after %d segments", self.index)
-        except Exception:  # noqa: BLE001 - the client gets an error event, the log the traceback
+        except Exception as exc:  # noqa: BLE001 - the client gets an error event, the log the traceback
+            unspoken = f"{type(exc).__name__}: {exc}"
             log.exception("websocket session failed")
             self._send_error("internal_error", "internal error")
         finally:
+            self.pieces.close(unspoken)
             self._close_encoder()
             self.release()
             try:
@@ -149,6 +205,7 @@ class Session:
         fmt = message.get("format", "pcm")
         if fmt not in WS_FORMATS:
             raise SessionError("unknown_format", f"unknown format {str(fmt)[:32]!r}; choose one of {', '.join(WS_FORMATS)}")
+        self.format = fmt
         rate = message.get("sample_rate")
         if rate is not None and rate != engine.sample_rate:
             raise SessionError("unsupported_sample_rate", f"this voice speaks at {engine.sample_rate} Hz; "
@@ -195,6 +252,7 @@ class Session:
             raise SessionError("bad_message", "text must be a string")
         if len(text) > self.max_text:
             raise SessionError("text_too_long", f"a text message has {len(text)} characters; the limit is {self.max_text}")
+        self.pieces.accept(text, self.params, self.format)
         self.pending.extend(self.splitter.feed(text))
 
     def _speak(self, sentence: str) -> None:
@@ -222,6 +280,7 @@ class Session:
                 release()
         self._send_json({"type": "segment", "index": self.index, "text": sentence,
                          "start_s": self._clock(start), "end_s": self._clock(self.samples)})
+        self.pieces.spoke(sentence)
         self.index += 1
 
     # -- frames --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import websocket
 from cosyedge.api.app import MAX_HEADERS
 from cosyedge.api.bench_ws import measure_ws
 from cosyedge.api.harness import ServiceProcess
+from cosyedge.api.journal import CRASHED, DEAD_LETTER, INFLIGHT, read_jsonl
 from cosyedge.api.server import MAX_HEADER_LINE, peer_closed
 
 T = 120  # seconds: a bound for every call, never an expectation
@@ -311,3 +312,57 @@ def test_a_session_counts_among_the_requests_in_flight(cv2_tiny_bundle, cosyedge
                 break
             time.sleep(0.1)
         _check_round_trip(again, 24000, ["你好。"])
+
+
+def _journal_state(state: Path) -> tuple[list[dict[str, Any]], set[str], list[dict[str, Any]]]:
+    """The WebSocket route's accepted journal records, the keys still open, and the dead-letter records."""
+    records = read_jsonl(state / INFLIGHT)
+    accepted = [r for r in records if r.get("event") == "accepted" and r["route"] == "/v1/audio/stream"]
+    finished = {r["key"] for r in records if r.get("event") == "finished"}
+    still_open = {r.get("key", r["request_id"]) for r in accepted} - finished
+    return accepted, still_open, read_jsonl(state / DEAD_LETTER)
+
+
+def test_text_pieces_are_journalled_until_spoken(cosyedge_home, tmp_path):
+    """Nothing accepted is lost: each text piece is journalled when it arrives and closed once spoken; a client
+    that leaves mid-stream has its unspoken pieces dead-lettered; a SIGKILL leaves them to the next start."""
+    state = tmp_path / "state"
+    state.mkdir()
+    env = _env(cosyedge_home, tmp_path, COSYEDGE_STATE_DIR=str(state))
+    pieces = [f"Sentence {i} goes on for a while before it ends. " for i in range(40)]
+
+    def leave_mid_stream(service: ServiceProcess) -> None:
+        ws = websocket.create_connection(_ws_url(service), timeout=T)
+        for message in [_start(), *({"type": "text", "text": p} for p in pieces), {"type": "end"}]:
+            ws.send(json.dumps(message))
+        while ws.recv_data()[0] != websocket.ABNF.OPCODE_BINARY:
+            pass
+        ws.sock.close()  # gone, without a close frame
+
+    with ServiceProcess(env=env) as service:
+        reply = _talk(service, [_start(), *({"type": "text", "text": p} for p in PIECES), {"type": "end"}], headers={})
+        _check_round_trip(reply, 22050, SENTENCES)
+        accepted, still_open, dead = _journal_state(state)
+        assert [r["request"]["text"] for r in accepted] == PIECES and not still_open and not dead
+
+        leave_mid_stream(service)
+        for _ in range(300):  # bounded: the server notices at its next send
+            accepted, still_open, dead = _journal_state(state)
+            if dead and not still_open:
+                break
+            time.sleep(0.1)
+        assert dead and not still_open, (len(dead), still_open)
+        # the unspoken tail, in order (at least once: a sentence whose audio went out but whose `segment` event
+        # could not be sent any more is dead-lettered too)
+        assert [d["request"]["text"] for d in dead] == pieces[len(pieces) - len(dead):]
+        assert all(d["route"] == "/v1/audio/stream" and "left" in d["error"] for d in dead)
+
+        left_before = len(dead)
+        leave_mid_stream(service)  # the same again, but the service is killed while the session speaks
+        assert service.kill() == -signal.SIGKILL
+    _, open_at_kill, _ = _journal_state(state)  # the dead process's journal, as the next start reads it
+    assert open_at_kill, "no piece was open at the kill"
+    with ServiceProcess(env=env):  # recovery: the pieces open at the kill are dead-lettered
+        _, _, dead = _journal_state(state)
+        crashed = [d for d in dead[left_before:] if d["error"] == CRASHED]
+        assert len(crashed) == len(open_at_kill) and {d["request"]["text"] for d in crashed} <= set(pieces)
