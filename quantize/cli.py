@@ -31,17 +31,15 @@ def _build(args: argparse.Namespace, targets: list[str]) -> Path:
     default voice."""
     from cosyedge.device.vits.convert import build_piper_bundle
     from cosyedge.device.vits.default_voice import DEFAULT_NAME, build_default_bundle, default_bundle
-    if args.model_dir and (Path(args.model_dir) / "cosyvoice3.yaml").is_file():  # routed by the release's yaml
-        if targets or args.allow_fallback:
-            raise InputError("--target and --allow-fallback are not available for CosyVoice3 releases yet "
-                             "(the bundle has fp32 graphs)")
-        from cosyedge.quantize.cosyvoice3.bundle import write_bundle as write_cosyvoice3
-        return write_cosyvoice3(Path(args.model_dir), Path(args.out))
     if args.model_dir:
-        from cosyedge.quantize.cosyvoice2.bundle import write_bundle
         unknown = [t for t in targets if t not in TARGETS]
         if unknown:
             raise InputError(f"unknown --target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+        if (Path(args.model_dir) / "cosyvoice3.yaml").is_file():  # routed by the release's yaml
+            from cosyedge.quantize.cosyvoice3.bundle import write_bundle as write_cosyvoice3
+            return write_cosyvoice3(Path(args.model_dir), Path(args.out), targets=list(dict.fromkeys(targets)),
+                                    allow_fallback=args.allow_fallback)
+        from cosyedge.quantize.cosyvoice2.bundle import write_bundle
         return write_bundle(Path(args.model_dir), Path(args.out), targets=list(dict.fromkeys(targets)),
                             allow_fallback=args.allow_fallback)
     if args.piper_model:
@@ -65,7 +63,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return _random_release(args)
     targets = [t for item in args.target or () for t in item.split(",") if t]
     if (targets or args.allow_fallback) and not args.model_dir:
-        raise InputError("--target and --allow-fallback apply to --model-dir (CosyVoice2 releases) only")
+        raise InputError("--target and --allow-fallback apply to --model-dir (CosyVoice releases) only")
     path = _build(args, targets)
     manifest = Bundle.load(path, verify=False).manifest
     print(json.dumps({"bundle": str(path), "family": manifest.family, "precisions": manifest.precisions,
