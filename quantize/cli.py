@@ -18,10 +18,15 @@ def _similarity():
 
 
 def _random_release(args: argparse.Namespace) -> int:
-    from cosyedge.quantize.cosyvoice2.random_init import write_random_release
+    from cosyedge.quantize.cosyvoice2 import random_init as v2
+    from cosyedge.quantize.cosyvoice3 import random_init as v3
     if not args.template:
         raise InputError("--random-init needs --template RELEASE_DIR (tokenizer and front-end models are copied from it)")
-    path = write_random_release(args.random_init, Path(args.template), Path(args.out))
+    family = v3 if args.random_init in v3.PRESETS else v2
+    if family is v2 and args.random_init not in v2.PRESETS:
+        raise InputError(f"unknown --random-init preset {args.random_init!r}; known: "
+                         f"{', '.join([*v2.PRESETS, *v3.PRESETS])}")
+    path = family.write_random_release(args.random_init, Path(args.template), Path(args.out))
     print(json.dumps({"release": str(path), "preset": args.random_init}))
     return 0
 
@@ -76,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="build a bundle (no arguments: the embedded default voice)")
     p.add_argument("--model-dir", help="an official CosyVoice2 (cosyvoice2.yaml) or Fun-CosyVoice3 (cosyvoice3.yaml) release "
                         "directory -> cosyvoice2 / cosyvoice3 bundle")
-    p.add_argument("--random-init", metavar="PRESET", help="write a random-weight release of real size (cosyvoice2-0.5b)")
+    p.add_argument("--random-init", metavar="PRESET",
+                   help="write a random-weight release of real size (cosyvoice2-0.5b, cosyvoice3-0.5b)")
     p.add_argument("--template", help="with --random-init: release to copy tokenizer, front-end models, spk2info from")
     p.add_argument("--piper-model", help="a Piper voice .onnx")
     p.add_argument("--piper-config", help="its .onnx.json (default: next to the model)")
