@@ -13,6 +13,11 @@ the Euler loop the flow gate runs. Two things differ and live here:
   output projection.
 * the HiFT gates (`Gates3`): `hift_source` takes the release's FIXED sine noise rows instead of a per-call noise
   tensor, so reference and candidate are fed the same rows the device regenerates (`SineNoise`).
+* memory at full size (the 22-block DiT): ORT's MinMax calibrator holds every intermediate tensor of every
+  calibration feed at once (its chunked mode, `CalibMaxIntermediateOutputs`, discards data in ORT 1.32), so the DiT
+  is calibrated on every other Euler step of CosyVoice2's calibration runs (both utterances, both masks); and the
+  fp32 LLM sessions are closed once the LLM gate has its reference (the first full-size build was OOM-killed at
+  10.4 GB with them open during the flow calibration).
 """
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from cosyedge.device.cosyvoice3.vocoder import SineNoise
-from cosyedge.quantize.cosyvoice2.gates import GateConfig, Gates
+from cosyedge.quantize.cosyvoice2.gates import GateConfig, Gates, StageReport
 from cosyedge.quantize.cosyvoice2.precision_targets import FP32_NAMES, INT8_EXCLUDE, TOP_LEVEL, GraphRules
 
+FLOW_CALIBRATION_STRIDE = 2
 _BLOCK_GLUE = r"^/estimator/transformer_blocks\.\d+/[A-Za-z]+(_\d+)?$"   # LN, modulation, gates, residual adds
 CV3_RULES = GraphRules(
     int8_exclude={**INT8_EXCLUDE,
@@ -52,3 +58,13 @@ class Gates3(Gates):
 
     def hift_calibration(self, mels: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
         return [{"mel": m, "source": self._source(self.fp32, m)} for m in mels]
+
+    def flow_calibration(self) -> tuple[list[dict[str, np.ndarray]], list[np.ndarray]]:
+        feeds, mels = super().flow_calibration()
+        return feeds[::FLOW_CALIBRATION_STRIDE], mels
+
+    def check(self, stage: str, graphs: dict[str, Path], precision: str) -> StageReport:
+        report = super().check(stage, graphs, precision)
+        if stage == "llm":   # reference logits are cached; a later need re-opens them
+            self.forget(self.fp32[g] for g in ("llm_prefill", "llm_decode"))
+        return report
