@@ -2,9 +2,9 @@
 ladders and gates on the v3 graphs (quantize/cosyvoice3/precision.py), fp16 islands that keep the DiT's residual
 stream and layer norms in fp32, and `cosyedge synth` speaking with every target on ONNX Runtime CPU.
 
-The golden tiny release has chaotic random weights (as the v2 one): its int8 flow passes the flow gate but not the
-end-to-end gate, and its int8 HiFT misses the HiFT gate, so the fixture builds with `--allow-fallback` and the
-manifest records both; fp16 passes every gate."""
+The golden tiny release has chaotic random weights (as the v2 one): its int8 HiFT misses the HiFT gate and its
+trt-int8 (QDQ) LLM misses the LLM gate, so the fixture builds with `--allow-fallback` and the manifest records both;
+the cpu int8 LLM and int8 DiT pass (the runtime runs them); fp16 passes every gate."""
 from __future__ import annotations
 
 import json
@@ -61,18 +61,19 @@ def test_manifest_lists_each_target_with_its_gate_reports(bundle: Bundle) -> Non
             assert all(set(a["metrics"]) >= {k.rsplit("_", 1)[0] for k in THRESHOLDS[stage]}
                        for a in report["attempts"]), (target, stage)
     assert targets["gpu-fp16"]["stages"] == {"llm": "fp16", "flow": "fp16", "hift": "fp16"}   # no fallback
-    assert targets["cpu"]["stages"]["llm"] == "int8" and targets["cpu"]["llm_int8"] == "matmul_nbits"
-    flow = manifest.quality["cpu"]["flow"]                # passed its own gate, then lost the end-to-end one
-    assert flow["attempts"][0]["passed"] and flow["fallback_from"] == "int8" and flow["precision"] == "fp32"
-    assert flow["fallback_reason"] == "end-to-end gate"
-    assert not manifest.quality["cpu"]["e2e"]["attempts"][0]["passed"]
+    assert targets["cpu"]["stages"]["llm"] == targets["cpu"]["stages"]["flow"] == "int8"
+    assert targets["cpu"]["llm_int8"] == "matmul_nbits" and manifest.quality["cpu"]["e2e"]["attempts"][-1]["passed"]
+    llm = manifest.quality["trt-int8"]["llm"]              # QDQ int8 LLM missed its gate: kept fp16, and says so
+    assert not llm["attempts"][0]["passed"] and llm["fallback_from"] == "int8" and llm["precision"] == "fp16"
+    assert llm["fallback_reason"] == "int8 missed the llm gate"
 
 
 def test_a_missed_gate_fails_the_build_naming_the_stage(cv3_tiny_dir: Path, tmp_path: Path) -> None:
-    result = _cli("quantize", "--model-dir", str(cv3_tiny_dir), "--out", str(tmp_path / "b"), "--target", "cpu",
+    result = _cli("quantize", "--model-dir", str(cv3_tiny_dir), "--out", str(tmp_path / "b"), "--target", "trt-int8",
                   home=tmp_path / "home")
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "quality gate: stage 'e2e' of target 'cpu'" in result.stderr and "--allow-fallback" in result.stderr
+    assert "quality gate: stage 'llm' of target 'trt-int8' at int8" in result.stderr
+    assert "--allow-fallback" in result.stderr
     assert not (tmp_path / "b").exists()
 
 
