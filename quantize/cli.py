@@ -18,10 +18,15 @@ def _similarity():
 
 
 def _random_release(args: argparse.Namespace) -> int:
-    from cosyedge.quantize.cosyvoice2.random_init import write_random_release
+    from cosyedge.quantize.cosyvoice2 import random_init as v2
+    from cosyedge.quantize.cosyvoice3 import random_init as v3
     if not args.template:
         raise InputError("--random-init needs --template RELEASE_DIR (tokenizer and front-end models are copied from it)")
-    path = write_random_release(args.random_init, Path(args.template), Path(args.out))
+    family = v3 if args.random_init in v3.PRESETS else v2
+    if family is v2 and args.random_init not in v2.PRESETS:
+        raise InputError(f"unknown --random-init preset {args.random_init!r}; known: "
+                         f"{', '.join([*v2.PRESETS, *v3.PRESETS])}")
+    path = family.write_random_release(args.random_init, Path(args.template), Path(args.out))
     print(json.dumps({"release": str(path), "preset": args.random_init}))
     return 0
 
@@ -31,17 +36,15 @@ def _build(args: argparse.Namespace, targets: list[str]) -> Path:
     default voice."""
     from cosyedge.device.vits.convert import build_piper_bundle
     from cosyedge.device.vits.default_voice import DEFAULT_NAME, build_default_bundle, default_bundle
-    if args.model_dir and (Path(args.model_dir) / "cosyvoice3.yaml").is_file():  # routed by the release's yaml
-        if targets or args.allow_fallback:
-            raise InputError("--target and --allow-fallback are not available for CosyVoice3 releases yet "
-                             "(the bundle has fp32 graphs)")
-        from cosyedge.quantize.cosyvoice3.bundle import write_bundle as write_cosyvoice3
-        return write_cosyvoice3(Path(args.model_dir), Path(args.out))
     if args.model_dir:
-        from cosyedge.quantize.cosyvoice2.bundle import write_bundle
         unknown = [t for t in targets if t not in TARGETS]
         if unknown:
             raise InputError(f"unknown --target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+        if (Path(args.model_dir) / "cosyvoice3.yaml").is_file():  # routed by the release's yaml
+            from cosyedge.quantize.cosyvoice3.bundle import write_bundle as write_cosyvoice3
+            return write_cosyvoice3(Path(args.model_dir), Path(args.out), targets=list(dict.fromkeys(targets)),
+                                    allow_fallback=args.allow_fallback)
+        from cosyedge.quantize.cosyvoice2.bundle import write_bundle
         return write_bundle(Path(args.model_dir), Path(args.out), targets=list(dict.fromkeys(targets)),
                             allow_fallback=args.allow_fallback)
     if args.piper_model:
@@ -65,7 +68,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return _random_release(args)
     targets = [t for item in args.target or () for t in item.split(",") if t]
     if (targets or args.allow_fallback) and not args.model_dir:
-        raise InputError("--target and --allow-fallback apply to --model-dir (CosyVoice2 releases) only")
+        raise InputError("--target and --allow-fallback apply to --model-dir (CosyVoice releases) only")
     path = _build(args, targets)
     manifest = Bundle.load(path, verify=False).manifest
     print(json.dumps({"bundle": str(path), "family": manifest.family, "precisions": manifest.precisions,
@@ -78,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="build a bundle (no arguments: the embedded default voice)")
     p.add_argument("--model-dir", help="an official CosyVoice2 (cosyvoice2.yaml) or Fun-CosyVoice3 (cosyvoice3.yaml) release "
                         "directory -> cosyvoice2 / cosyvoice3 bundle")
-    p.add_argument("--random-init", metavar="PRESET", help="write a random-weight release of real size (cosyvoice2-0.5b)")
+    p.add_argument("--random-init", metavar="PRESET",
+                   help="write a random-weight release of real size (cosyvoice2-0.5b, cosyvoice3-0.5b)")
     p.add_argument("--template", help="with --random-init: release to copy tokenizer, front-end models, spk2info from")
     p.add_argument("--piper-model", help="a Piper voice .onnx")
     p.add_argument("--piper-config", help="its .onnx.json (default: next to the model)")

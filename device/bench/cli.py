@@ -26,6 +26,14 @@ def _parse_list(value: str, option: str, parse: Callable[[str], Any]) -> list:
         raise InputError(f"{option}: cannot read {value!r}") from None
 
 
+def _compare(item: str) -> tuple[Path, str]:
+    """`BUNDLE:PRECISION` of --compare (the precision after the last colon)."""
+    bundle, _, precision = item.rpartition(":")
+    if not bundle or not precision:
+        raise InputError(f"--compare: give BUNDLE:PRECISION, not {item!r}")
+    return Path(bundle), precision
+
+
 def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
     from cosyedge.device.bench.chart import CHART_HINT, write_chart
     from cosyedge.device.bench.cosyvoice import TEXTS, run_cosyvoice_bench
@@ -44,7 +52,8 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
                                  reference=Path(args.reference) if args.reference else None, threads=args.threads,
                                  texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling,
                                  presets=args.presets.split(",") if args.presets else None,
-                                 progress=lambda line: print(line, file=sys.stderr, flush=True))
+                                 progress=lambda line: print(line, file=sys.stderr, flush=True),
+                                 compare=[_compare(item) for item in args.compare or ()])
     print(cosyvoice_table(report))
     if out:
         write_json(report, out)
@@ -57,11 +66,12 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if _bundle_family(args.bundle) == "cosyvoice2":
+    if _bundle_family(args.bundle) in ("cosyvoice2", "cosyvoice3"):
         return cmd_bench_cosyvoice(args)
     from cosyedge.device.bench.engine import run_bench
     from cosyedge.device.bench.report import engine_table, write_json
-    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts", "presets")
+    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts", "presets",
+                               "compare")
              if getattr(args, name) is not None]
     if given:
         raise InputError(f"--{given[0]} applies to CosyVoice bundles only")
@@ -107,6 +117,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--tokens", type=int, help="pin every segment to N speech tokens (random-weight bundles never stop)")
     cv.add_argument("--reference", metavar="MODEL_DIR",
                     help="also run the PyTorch reference of this release (fp32, concurrency 1), interleaved")
+    cv.add_argument("--compare", action="append", metavar="BUNDLE:PRECISION",
+                    help="also run another CosyVoice bundle at a precision or target (repeatable), interleaved")
     cv.add_argument("--chart", help="write a PNG bar chart (RTF, first-chunk p50, throughput per run); "
                                     "needs matplotlib: pip install cosyedge[chart]")
     cv.add_argument("--texts", type=int, help="use the first N texts of the fixed set (zh and en alternate)")

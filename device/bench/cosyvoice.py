@@ -45,6 +45,7 @@ from cosyedge.device.errors import CosyedgeError, InputError
 
 DEVICE_WORKER = "cosyedge.device.bench.worker"
 REFERENCE_WORKER = "cosyedge.quantize.cosyvoice2.reference"  # build host only: torch lives in that process
+REFERENCE_WORKERS = {"cosyvoice2": REFERENCE_WORKER, "cosyvoice3": "cosyedge.quantize.cosyvoice3.reference"}
 
 
 class Worker:
@@ -148,12 +149,19 @@ def machine_info(threads: int, settings: Settings, rounds: int, texts: int) -> d
             "texts": texts}
 
 
-def _precisions(bundle: Path, precisions: Sequence[str]) -> list[str]:
-    """The requested precisions (or quantize targets) this cosyvoice2 bundle has, in the order asked."""
+def _manifest(bundle: Path):
+    """The manifest of a CosyVoice bundle (InputError for another family)."""
     from cosyedge.device.bundle import Bundle
     manifest = Bundle.load(bundle, verify=False).manifest
-    if manifest.family != "cosyvoice2":
-        raise InputError(f"bundle {Path(bundle).name!r} is a {manifest.family} bundle, not cosyvoice2")
+    if manifest.family not in REFERENCE_WORKERS:
+        raise InputError(f"bundle {Path(bundle).name!r} is a {manifest.family} bundle, not "
+                         f"{' or '.join(REFERENCE_WORKERS)}")
+    return manifest
+
+
+def _precisions(bundle: Path, precisions: Sequence[str]) -> list[str]:
+    """The requested precisions (or quantize targets) this CosyVoice bundle has, in the order asked."""
+    manifest = _manifest(bundle)
     available = [*manifest.precisions, *manifest.config.get("targets", {})]
     chosen = [p for p in dict.fromkeys(precisions) if p in available]
     if not chosen:
@@ -181,10 +189,13 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
                         streams: Sequence[bool] = (True, False), tokens: int | None = None,
                         reference: Path | None = None, threads: int = 2, texts: Sequence[str] = TEXTS,
                         rounds: int = 1, sampling: str = "greedy", presets: Sequence[str] | None = None,
-                        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                        progress: Callable[[str], None] | None = None,
+                        compare: Sequence[tuple[Path, str]] = ()) -> dict[str, Any]:
     """The report `{"machine": ..., "runs": [...]}`; the reference (PyTorch, fp32, same release) runs at
     concurrency 1 only, interleaved batch by batch with the device precisions and presets (one run per precision
-    and preset; a precision's presets share its worker). `progress` gets a line per batch."""
+    and preset; a precision's presets share its worker). `compare` adds (bundle, precision) pairs of other
+    CosyVoice bundles (e.g. CosyVoice2 cpu beside CosyVoice3 cpu) at their default preset, interleaved the same
+    way so their ratios come from one run. `progress` gets a line per batch."""
     say = progress or (lambda line: None)
     chosen = _precisions(bundle, precisions)
     chosen_presets = _presets(bundle, presets)
@@ -194,15 +205,18 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
         raise InputError("texts, concurrency >= 1, rounds >= 1 and sampling greedy|default are required")
     settings = Settings(tokens, sampling)
     python = sys.executable
-    workers = {f"device-{p}": Worker(f"device-{p}", [python, "-m", DEVICE_WORKER, "--worker", str(bundle),
-                                                     "--precision", p, "--threads", str(threads)])
-               for p in chosen}
+    devices = [(f"device-{p}", bundle, p) for p in chosen]
+    devices += [(f"device-{Path(b).name}-{p}", Path(b), _precisions(Path(b), [p])[0]) for b, p in compare]
+    workers = {name: Worker(name, [python, "-m", DEVICE_WORKER, "--worker", str(b), "--precision", p,
+                                   "--threads", str(threads)]) for name, b, p in devices}
     if reference is not None:
-        workers["reference"] = Worker("reference", [python, "-m", REFERENCE_WORKER, "--worker", str(reference),
-                                                    "--threads", str(threads)])
-    # run name -> (worker, preset): every device precision once per preset, the reference once
+        workers["reference"] = Worker("reference", [python, "-m", REFERENCE_WORKERS[_manifest(bundle).family], "--worker",
+                                                    str(reference), "--threads", str(threads)])
+    # run name -> (worker, preset): every device precision once per preset, a compared bundle at its default
+    # preset, the reference once
     plan = {(f"{name}/{preset}" if len(chosen_presets) > 1 else name): (name, preset)
-            for name in workers if name != "reference" for preset in chosen_presets}
+            for name, b, _ in devices if b == bundle for preset in chosen_presets}
+    plan.update({name: (name, _presets(b, None)[0]) for name, b, _ in devices if b != bundle})
     if reference is not None:
         plan["reference"] = ("reference", "official")
     runs = []

@@ -38,9 +38,14 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
     header = ("#", "backend", "precision", "preset", "conc", "stream", "audio_s", "wall_s", "rtf", "fc_p50", "fc_p95", "ms/tok",
               "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "rss_mb", "audio_s/s")
     rows = []
+    several = len({r["bundle"] for r in report["runs"] if r["backend"] == "device"}) > 1   # --compare: name them
+
+    def backend(run: dict[str, Any]) -> str:
+        return f"{run['backend']}:{run['bundle']}" if several and run["backend"] == "device" else run["backend"]
+
     for index, run in enumerate(report["runs"], 1):
         s = run["stage_s"]
-        rows.append((str(index), run["backend"], run_precision(run), run.get("preset") or "-", str(run["concurrency"]),
+        rows.append((str(index), backend(run), run_precision(run), run.get("preset") or "-", str(run["concurrency"]),
                      "on" if run["stream"] else "off", num(run["audio_s"], 2), num(run["wall_s"], 2), num(run["rtf"]),
                      num(run["first_chunk_s_p50"]), num(run["first_chunk_s_p95"]), num(run["llm_ms_per_token"], 1),
                      num(s["frontend"]), num(s["llm_prefill"]), num(s["llm_decode"]), num(s["flow"]), num(s["hift"]),
@@ -52,6 +57,6 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
         ref = references.get(run["stream"])
         if run["backend"] == "device" and run["concurrency"] == 1 and ref and ref["rtf"]:
             label = " ".join(filter(None, (run_precision(run), run.get("preset"))))
-            lines.append(f"device {label} / reference RTF, stream {'on' if run['stream'] else 'off'}: "
+            lines.append(f"{backend(run)} {label} / reference RTF, stream {'on' if run['stream'] else 'off'}: "
                          f"{run['rtf'] / ref['rtf']:.3f}")
     return "\n".join(lines)

@@ -15,10 +15,15 @@ noise, voices and prompt features, batching); this subclass fills in its family 
 * instruct2 with a bundle voice (an official saved speaker, spk2info): the official frontend replaces the
   instruction by the speaker's prompt text. Reproduced by default (`instruct2_saved_speaker_quirk` in the
   manifest); `Pipeline.instruct2_uses_instruction = True` gives the intended behaviour. Voices registered at run
-  time behave like the official prompt-wav path (the instruction is used).
+  time behave like the official prompt-wav path (the instruction is used). An instruction without
+  `<|endofprompt|>` (the API's `instructions`, "speak cheerfully") gets the official frame:
+  "You are a helpful assistant. <instruction><|endofprompt|>" (the form of every official instruct2 example);
+* voice registration: 3-30 s of prompt audio (shorter prompts are refused: the official examples use 3-10 s and
+  the zero-shot LLM continues the prompt's speech tokens, which a 1-2 s prompt barely gives it).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -31,8 +36,11 @@ from cosyedge.device.cosyvoice2.sampling import SamplingConfig
 from cosyedge.device.cosyvoice2.voices import ModeInputs, Voice
 from cosyedge.device.cosyvoice3.frontend import ENDOFPROMPT, SYSTEM_PROMPT, SilentFilter, TextFrontend3
 from cosyedge.device.cosyvoice3.vocoder import SineNoise, Stream3Config, Vocoder3, stream_tokens
+from cosyedge.device.errors import InvalidVoiceError
 from cosyedge.device.options import Segment, SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
+
+MIN_PROMPT_SECONDS = 3.0   # the global registration limits (voice_store) are 1-30 s
 
 
 class CosyVoice3Pipeline(CosyVoice2Pipeline):
@@ -79,6 +87,8 @@ class CosyVoice3Pipeline(CosyVoice2Pipeline):
         return [int(t) for t in tokens if keep(t)]
 
     def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:
+        if request.instruct_text and ENDOFPROMPT not in request.instruct_text:
+            request = replace(request, instruct_text=f"{SYSTEM_PROMPT} {request.instruct_text}{ENDOFPROMPT}")
         inputs = super()._mode_inputs(request)
         mode = request.mode or ("instruct2" if request.instruct_text else None)
         if (mode == "instruct2" and self._saved_speaker_quirk and not self.instruct2_uses_instruction
@@ -96,8 +106,11 @@ class CosyVoice3Pipeline(CosyVoice2Pipeline):
                                  self._stream_config)
 
     def make_voice(self, name: str, wav: np.ndarray, sample_rate: int, prompt_text: str) -> Voice:
-        """CosyVoice2's zero-shot voice; a transcript without `<|endofprompt|>` gets the official system prompt
-        before it (the v3 LLM needs the marker in the prompt text)."""
+        """CosyVoice2's zero-shot voice from 3-30 s of audio; a transcript without `<|endofprompt|>` gets the
+        official system prompt before it (the v3 LLM needs the marker in the prompt text)."""
+        if wav.size < MIN_PROMPT_SECONDS * sample_rate:
+            raise InvalidVoiceError(f"prompt audio is {wav.size / sample_rate:.2f} s long; Fun-CosyVoice3 voices need "
+                                    f"{MIN_PROMPT_SECONDS:.0f}-30 s of speech")
         if ENDOFPROMPT not in str(prompt_text):
             prompt_text = f"{SYSTEM_PROMPT}{ENDOFPROMPT}{prompt_text}"
         return super().make_voice(name, wav, sample_rate, prompt_text)

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from cosyedge.device.bundle import TARGETS
-from cosyedge.quantize.cosyvoice2.precision_targets import (CPU_LLM_METHOD, LADDERS, OPTIONAL_INT8, STAGE_GRAPHS,
-                                                            Variant, build_variant, stage_variants, uncalibrated)
+from cosyedge.quantize.cosyvoice2.precision_targets import (CPU_LLM_METHOD, CV2_RULES, LADDERS, OPTIONAL_INT8,
+                                                            STAGE_GRAPHS, GraphRules, Variant, build_variant,
+                                                            stage_variants, uncalibrated)
 
 
 def _return_freed_memory() -> None:
@@ -38,7 +39,8 @@ class TargetBuild:
 
 
 def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gate_config, allow_fallback: bool = False,
-                  cpu_llm_method: str = CPU_LLM_METHOD, log: Callable[[str], None] = lambda _: None) -> TargetBuild:
+                  cpu_llm_method: str = CPU_LLM_METHOD, log: Callable[[str], None] = lambda _: None,
+                  rules: GraphRules = CV2_RULES, gates=None) -> TargetBuild:
     """Build every target's graphs from the fp32 exports in `fp32` (graph -> path) into `work` and gate each stage.
 
     A stage that misses its gate raises ReleaseError naming target and stage, unless `allow_fallback`: then the stage
@@ -46,7 +48,8 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     manifest records `fallback_from`. The cpu HiFT decoder is int8 only when it passes (fp32 otherwise, no error).
     After the stages, the end-to-end gate (flow + HiFT from the same tokens) must pass as well; with
     `allow_fallback` the lower-precision of flow / HiFT (the flow on a tie) moves up one rung until it does.
-    Graphs of rejected attempts are deleted from `work`.
+    Graphs of rejected attempts are deleted from `work`. Another family passes its node-name `rules` and its
+    `gates` (a gates.Gates whose graph feeds fit its signatures; default: CosyVoice2's over `gate_config`).
     """
     from cosyedge.device.errors import ReleaseError
     from cosyedge.quantize.cosyvoice2.gates import Gates
@@ -54,7 +57,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         raise ReleaseError(f"unknown precision target {unknown[0]!r}; known: {', '.join(TARGETS)}")
-    gates = Gates(gate_config, fp32)
+    gates = gates or Gates(gate_config, fp32)
     files: dict[tuple[str, str], Path] = {}
     calibration: dict[str, list] = {}
 
@@ -76,7 +79,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
             log(f"building {v.component}.{v.precision}")
             needs = v.precision == "int8" and not (v.component == v.graph and uncalibrated(v.graph))
             files[key] = build_variant(v, fp32[v.graph], work / f"{v.component}.{v.precision}.onnx",
-                                       calibration_for(v.graph) if needs else None, cpu_llm_method)
+                                       calibration_for(v.graph) if needs else None, cpu_llm_method, rules)
             _return_freed_memory()
         return files[key]
 

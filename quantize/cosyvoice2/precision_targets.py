@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -64,10 +64,22 @@ FP32_NAMES: dict[str, tuple[str, ...]] = {
 }
 
 
-def fp32_island(graph_name: str, quantized: bool = False) -> Callable[[onnx.NodeProto], bool]:
+@dataclass(frozen=True)
+class GraphRules:
+    """A model family's node-name rules per graph: the int8 exclusions and the fp32 islands of fp16 graphs (the
+    graph names and ladders are shared; node names differ, e.g. CosyVoice3's DiT estimator)."""
+    int8_exclude: Mapping[str, tuple[str, ...]]
+    fp32_names: Mapping[str, tuple[str, ...]]
+
+
+CV2_RULES = GraphRules(INT8_EXCLUDE, FP32_NAMES)
+
+
+def fp32_island(graph_name: str, quantized: bool = False, rules: GraphRules = CV2_RULES
+                ) -> Callable[[onnx.NodeProto], bool]:
     """keep_fp32 predicate of `graph_name`; with `quantized`, QDQ-quantized ops also stay fp32 (their DQ outputs
     are float32 in opset 17, and TensorRT fuses DQ -> op -> Q into one int8 kernel either way)."""
-    patterns = FP32_NAMES.get(graph_name, ())
+    patterns = rules.fp32_names.get(graph_name, ())
 
     def keep(node: onnx.NodeProto) -> bool:
         return name_matches(node.name, patterns) or (quantized and node.op_type in QUANTIZED_OPS)
@@ -97,11 +109,11 @@ def uncalibrated(graph: str) -> bool:
 
 
 def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[str, np.ndarray]] | None,
-                  cpu_llm_method: str = CPU_LLM_METHOD) -> Path:
-    """Write the graph of variant `v` from its fp32 export `fp32` into `dst`."""
-    exclude = INT8_EXCLUDE.get(v.graph, ())
+                  cpu_llm_method: str = CPU_LLM_METHOD, rules: GraphRules = CV2_RULES) -> Path:
+    """Write the graph of variant `v` from its fp32 export `fp32` into `dst` (node rules of the family `rules`)."""
+    exclude = rules.int8_exclude.get(v.graph, ())
     if v.precision == "fp16":
-        return to_fp16(fp32, dst, fp32_island(v.graph))
+        return to_fp16(fp32, dst, fp32_island(v.graph, rules=rules))
     if v.precision != "int8":
         raise ValueError(f"no transform to {v.precision}")
     if v.component == v.graph and v.graph.startswith("llm_"):
@@ -113,7 +125,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
     static_int8_qdq(fp32, qdq, calibration or (), exclude)
     if v.component == v.graph:
         return dst
-    to_fp16(qdq, dst, fp32_island(v.graph, quantized=True))
+    to_fp16(qdq, dst, fp32_island(v.graph, quantized=True, rules=rules))
     qdq.unlink()
     return dst
 

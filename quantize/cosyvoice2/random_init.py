@@ -24,6 +24,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -71,28 +72,37 @@ def write_random_release(preset: str, template: Path, out: Path, seed: int = 0) 
     `llm_decoder_gain` (1 if absent)."""
     if preset not in PRESETS:
         raise ReleaseError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    return write_sized_release(spec, template, out, YAML_NAME, COPIED, seed, {
+        "llm.pt": lambda hparams, qwen: _llm(hparams, qwen, float(spec.get("llm_decoder_gain", 1.0))),
+        "flow.pt": lambda hparams, qwen: build_flow_random(hparams),
+        "hift.pt": lambda hparams, qwen: build_hift_random(hparams)})
+
+
+def write_sized_release(spec: dict, template: Path, out: Path, yaml_name: str, copied: tuple[str, ...], seed: int,
+                        builders: dict[str, Callable[[dict, dict], torch.nn.Module]]) -> Path:
+    """The template release re-sized by `spec` ("yaml": yaml key -> value, "qwen": BlankEN config entries), every
+    file of `copied` that the template has copied, and each checkpoint of `builders` (file -> module from the
+    re-sized hparams and Qwen config) saved from a seeded build. Shared by every CosyVoice family."""
     template, out = Path(template), Path(out)
-    for rel in (YAML_NAME, "CosyVoice-BlankEN/config.json", *COPIED[:2], *COPIED[3:]):
+    for rel in (yaml_name, "CosyVoice-BlankEN/config.json", *(r for r in copied if r != "spk2info.pt")):
         if not (template / rel).is_file():
             raise ReleaseError(f"template release lacks {rel}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ReleaseError(f"--out {out.name!r} exists and is not an empty directory; nothing was changed: "
                            "choose a new or empty directory")
-    spec = PRESETS[preset]
     (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
-    (out / YAML_NAME).write_text(_sized_yaml((template / YAML_NAME).read_text(encoding="utf-8"), spec["yaml"]),
+    (out / yaml_name).write_text(_sized_yaml((template / yaml_name).read_text(encoding="utf-8"), spec["yaml"]),
                                  encoding="utf-8")
     qwen = json.loads((template / "CosyVoice-BlankEN/config.json").read_text(encoding="utf-8")) | spec["qwen"]
     (out / "CosyVoice-BlankEN/config.json").write_text(json.dumps(qwen, indent=2) + "\n", encoding="utf-8")
-    for rel in COPIED:
+    for rel in copied:
         if (template / rel).is_file():
             shutil.copyfile(template / rel, out / rel)
-    hparams = read_yaml(out / YAML_NAME)
+    hparams = read_yaml(out / yaml_name)
     torch.manual_seed(seed)
-    for name, build in (("llm.pt", lambda: _llm(hparams, qwen, float(spec.get("llm_decoder_gain", 1.0)))),
-                        ("flow.pt", lambda: build_flow_random(hparams)),
-                        ("hift.pt", lambda: build_hift_random(hparams))):
-        module = build()
+    for name, build in builders.items():
+        module = build(hparams, qwen)
         torch.save(module.state_dict(), out / name)
         del module
     return out

@@ -179,7 +179,7 @@ class ReferencePipeline(Backend):
             scores = logits[0].numpy()
             if pin is not None:
                 scores = without_stops(scores, config.stop_ids)
-            token = choose_token(scores, step, min_len, config.eos, history, settings.sampling == "greedy",
+            token = choose_token(scores, step, min_len, config.min_len_masked_id, history, settings.sampling == "greedy",
                                  self._sampling, rng)
             if token in config.stop_ids:
                 return

@@ -1,28 +1,34 @@
-"""Official Fun-CosyVoice3 release -> `cosyvoice3` bundle (fp32 graphs; layout in docs/bundle_cosyvoice3.md).
+"""Official Fun-CosyVoice3 release -> `cosyvoice3` bundle (fp32 graphs, plus precision targets on request; layout
+in docs/bundle_cosyvoice3.md).
 
 The CosyVoice2 writer's pieces are reused (`cosyvoice2.bundle`: stage export loop, front-end model copies, voices
 from spk2info, sampling and mel config readers, provenance); what differs is the graphs (`cosyvoice3.export`,
 `cosyvoice3.hift_export`), the tokenizer, the LLM tables and the HiFT noise, which is not shipped: the manifest
 carries the recipe numbers (MT19937 seeded 0, draws to skip, harmonics) and the device regenerates the rows it
-needs, checked against the first row stored here.
+needs, checked against the first row stored here. Precision targets are CosyVoice2's ladders and gates with the v3 node
+rules and HiFT feeds (`cosyvoice3.precision`).
 """
 from __future__ import annotations
 
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from cosyedge.device.bundle_writer import BundleWriter, check_out_dir
+from cosyedge.device.cosyvoice3.vocoder import SineNoise
 from cosyedge.quantize.cosyvoice2.bundle import (_mel_config, _sampling, copy_stand_ins, export_stages, provenance,
                                                  write_voices)
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, fixed_noise
 from cosyedge.quantize.cosyvoice3 import export as E
+from cosyedge.quantize.cosyvoice2.gates import GateConfig
+from cosyedge.quantize.cosyvoice2.precision import TargetBuild, build_targets
 from cosyedge.quantize.cosyvoice3 import hift_export as HX
 from cosyedge.quantize.cosyvoice3.hift_source import SINE_NOISE_ROWS
-from cosyedge.quantize.cosyvoice3.models import load_models
+from cosyedge.quantize.cosyvoice3.models import Models, load_models
+from cosyedge.quantize.cosyvoice3.precision import CV3_RULES, Gates3
 from cosyedge.quantize.cosyvoice3.release import YAML_NAME
 from cosyedge.quantize.cosyvoice3.tokenizer import write_tokenizer_json
 
@@ -43,8 +49,36 @@ def hift_noise_recipe(hift: Any) -> dict[str, Any]:
             "harmonics": harmonics, "max_rows": SINE_NOISE_ROWS, "first_row": [float(v) for v in rows[0].numpy()]}
 
 
-def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
-    """Build a `cosyvoice3` bundle (fp32) from an official release directory; returns the bundle path."""
+def _gate_config(models: Models, tables: dict[str, np.ndarray]) -> GateConfig:
+    """What the quality gates need from the release (CosyVoice2's GateConfig: the graphs share signatures)."""
+    c, fc = models.llm.config, models.flow.config
+    return GateConfig(
+        embed_tokens=tables["embed_tokens"], speech_embedding=tables["speech_embedding"],
+        llm_embedding=tables["llm_embedding"], speech_token_size=c.speech_token_size,
+        token_mel_ratio=fc.token_mel_ratio, pre_lookahead_len=fc.pre_lookahead_len,
+        inference_cfg_rate=fc.inference_cfg_rate, n_timesteps=N_TIMESTEPS, noise=fixed_noise(),
+        sample_rate=int(models.release.hparams["sample_rate"]), hift_upsample=models.hift.cfg.samples_per_frame,
+        spk_embed_dim=fc.spk_embed_dim)
+
+
+def _build_targets(writer: BundleWriter, targets: Sequence[str], allow_fallback: bool, config: GateConfig,
+                   noise_recipe: dict[str, Any]) -> TargetBuild:
+    """Every target's graphs from the fp32 components in the writer, each quantized stage gated against fp32."""
+    fp32 = {comp.name: writer.work / comp.file for comp in writer.components if comp.name not in ONNX_STAND_INS}
+    gates = Gates3(config, fp32, SineNoise(noise_recipe, config.sample_rate))
+    built = build_targets(targets, fp32, writer.work, config, allow_fallback, log=log.info, rules=CV3_RULES,
+                          gates=gates)
+    for (component, precision), path in built.files.items():
+        writer.add_component(component, precision, path.name)
+    return built
+
+
+def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] = (), allow_fallback: bool = False
+                 ) -> Path:
+    """Build a `cosyvoice3` bundle from an official release directory; returns the bundle path.
+
+    fp32 graphs always; each of `targets` (cpu, gpu-fp16, trt-int8) adds the graphs whose stages passed their
+    quality gates against fp32 (a miss raises ReleaseError naming the stage unless `allow_fallback`)."""
     started = time.perf_counter()
     check_out_dir(Path(out))  # refuse a foreign directory before minutes of export
     models = load_models(model_dir)  # strict loads of every checkpoint first
@@ -69,26 +103,32 @@ def write_bundle(model_dir: Path | str, out: Path | str) -> Path:
         for name, rel in voices:
             writer.add_asset(f"voice:{name}", rel)
         fc = flow.config
-        sample_rate = int(release.hparams["sample_rate"])
-        writer.write_manifest(
-            family=FAMILY, name=release.root.name, sample_rate=sample_rate,
-            voices=tuple(name for name, _ in voices), default_precision="fp32",
-            config={"speech_token_size": c.speech_token_size, "sos": c.sos, "eos": c.eos, "task_id": c.task_id,
-                    "stop_ids": list(c.stop_ids), "min_len_masked_id": c.min_len_masked_id,
-                    "min_token_text_ratio": c.min_token_text_ratio, "max_token_text_ratio": c.max_token_text_ratio,
-                    "sampling": _sampling(release.hparams, YAML_NAME),
-                    "token_mel_ratio": fc.token_mel_ratio, "pre_lookahead_len": fc.pre_lookahead_len,
-                    "n_timesteps": N_TIMESTEPS, "inference_cfg_rate": fc.inference_cfg_rate,
-                    "estimator_chunk": fc.estimator.static_chunk_size,
-                    "mel": _mel_config(release.hparams, YAML_NAME), "hift_upsample": hift.cfg.samples_per_frame,
-                    "hift_f0_lookahead": hift.f0_predictor.lookahead,
-                    "hift_conv_pre_lookahead": hift.cfg.conv_pre_look_right,
-                    "hift_noise": hift_noise_recipe(hift), "stream": STREAM,
-                    "silent_tokens": SILENT_TOKENS, "max_silent_run": MAX_SILENT_RUN,
-                    "instruct2_saved_speaker_quirk": True,
-                    "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30},
-            quality={}, provenance=provenance(release.root, timings))
-        del models, lm, flow, hift
+        noise_recipe = hift_noise_recipe(hift)
+        config = {"speech_token_size": c.speech_token_size, "sos": c.sos, "eos": c.eos, "task_id": c.task_id,
+                  "stop_ids": list(c.stop_ids), "min_len_masked_id": c.min_len_masked_id,
+                  "min_token_text_ratio": c.min_token_text_ratio, "max_token_text_ratio": c.max_token_text_ratio,
+                  "sampling": _sampling(release.hparams, YAML_NAME),
+                  "token_mel_ratio": fc.token_mel_ratio, "pre_lookahead_len": fc.pre_lookahead_len,
+                  "n_timesteps": N_TIMESTEPS, "inference_cfg_rate": fc.inference_cfg_rate,
+                  "estimator_chunk": fc.estimator.static_chunk_size,
+                  "mel": _mel_config(release.hparams, YAML_NAME), "hift_upsample": hift.cfg.samples_per_frame,
+                  "hift_f0_lookahead": hift.f0_predictor.lookahead,
+                  "hift_conv_pre_lookahead": hift.cfg.conv_pre_look_right,
+                  "hift_noise": noise_recipe, "stream": STREAM,
+                  "silent_tokens": SILENT_TOKENS, "max_silent_run": MAX_SILENT_RUN,
+                  "instruct2_saved_speaker_quirk": True,
+                  "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30}
+        gate_config = _gate_config(models, tables) if targets else None
+        del models, lm, flow, hift   # full size: the torch modules go before the gates load their graphs
+        built = None
+        if gate_config is not None:
+            t0 = time.perf_counter()
+            built = _build_targets(writer, targets, allow_fallback, gate_config, noise_recipe)
+            config["targets"] = built.targets
+            timings["targets"] = round(time.perf_counter() - t0, 2)
+        writer.write_manifest(family=FAMILY, name=release.root.name, sample_rate=int(release.hparams["sample_rate"]),
+                              voices=tuple(name for name, _ in voices), default_precision="fp32", config=config,
+                              quality=built.quality if built else {}, provenance=provenance(release.root, timings))
         path = writer.commit()  # validated by the runtime's own loader first
     log.info("wrote %s in %.1f s", path.name, time.perf_counter() - started)
     return path

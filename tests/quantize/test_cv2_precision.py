@@ -212,8 +212,9 @@ def broken(monkeypatch):
     def install(graph: str, op_type: str, pattern: str) -> None:
         original = precision_targets.build_variant
 
-        def build(v, src, dst, calibration, cpu_llm_method=precision_targets.CPU_LLM_METHOD):
-            path = original(v, src, dst, calibration, cpu_llm_method)
+        def build(v, src, dst, calibration, cpu_llm_method=precision_targets.CPU_LLM_METHOD,
+                  rules=precision_targets.CV2_RULES):
+            path = original(v, src, dst, calibration, cpu_llm_method, rules)
             if v.graph == graph and v.precision == "int8":
                 _flip_one_layer(path, op_type, pattern)
             return path
