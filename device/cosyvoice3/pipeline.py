@@ -103,7 +103,7 @@ class CosyVoice3Pipeline(CosyVoice2Pipeline):
         """Streaming synthesis of an LLM token stream (silent filter applied) in the request's voice and mode."""
         inputs = self._mode_inputs(request)
         yield from stream_tokens(tokens, self._silent_filter().keep, inputs.flow, self._flow, self._vocoder,
-                                 self._stream_config)
+                                 self._stream_config, self._chunk_gate)
 
     def make_voice(self, name: str, wav: np.ndarray, sample_rate: int, prompt_text: str) -> Voice:
         """CosyVoice2's zero-shot voice from 3-30 s of audio; a transcript without `<|endofprompt|>` gets the

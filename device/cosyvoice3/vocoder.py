@@ -15,6 +15,7 @@ are yielded. No cross-fade, no source cache: causality and the fixed noise make 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -22,7 +23,7 @@ import numpy as np
 import onnxruntime as ort
 
 from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
-from cosyedge.device.cosyvoice2.streaming import ChunkSchedule
+from cosyedge.device.cosyvoice2.streaming import ChunkGate, ChunkSchedule
 from cosyedge.device.errors import BundleError, InputError
 
 GROW_SECONDS = 60  # the noise grows a minute at a time
@@ -113,14 +114,17 @@ class Vocoder3:
 
 
 def stream_tokens(tokens: Iterable[int], keep: Callable[[int], bool], prompt: FlowPrompt, flow: Flow,
-                  vocoder: Vocoder3, config: Stream3Config) -> Iterator[np.ndarray]:
+                  vocoder: Vocoder3, config: Stream3Config, gate: ChunkGate | None = None) -> Iterator[np.ndarray]:
     """Waveform chunks for an LLM token stream; `keep` is the request's silent filter (tokens it drops are not
-    voiced and do not count for the schedule)."""
+    voiced and do not count for the schedule). With a `gate`, each chunk's flow + HiFT work waits for its turn
+    among the concurrent streams (fewest chunks emitted first), as CosyVoice2's streams do."""
     ratio = flow.config.token_mel_ratio
     schedule = ChunkSchedule(len(prompt.tokens), config)  # type: ignore[arg-type]  # reads hops / lookahead only
     got: list[int] = []
     mel: np.ndarray | None = None
     emitted = 0
+    gate = gate or ChunkGate()  # a private gate: never waits
+    began, chunks = time.monotonic(), 0
 
     def voice(new: np.ndarray, finalize: bool) -> np.ndarray:
         nonlocal mel, emitted
@@ -136,10 +140,15 @@ def stream_tokens(tokens: Iterable[int], keep: Callable[[int], bool], prompt: Fl
         size = schedule.ready(len(got))
         if size is None:
             continue
-        chunk = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
-        yield voice(chunk[:, :, ratio * schedule.offset:], finalize=False)
+        with gate.turn(chunks, began):
+            chunk = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
+            speech = voice(chunk[:, :, ratio * schedule.offset:], finalize=False)
+        chunks += 1
+        yield speech
         schedule.advance()
     if not got:
         return
-    chunk = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
-    yield voice(chunk[:, :, ratio * schedule.offset:], finalize=True)
+    with gate.turn(chunks, began):
+        chunk = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
+        speech = voice(chunk[:, :, ratio * schedule.offset:], finalize=True)
+    yield speech

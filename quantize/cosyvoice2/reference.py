@@ -18,7 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -191,13 +191,18 @@ class ReferencePipeline(Backend):
                 logits, key, value = lm.decode_step(lm.token_embedding(token), key, value)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyedge.quantize.cosyvoice2.reference",
+def worker_main(module: str, pipeline: Callable[[Path, int], object], argv: list[str] | None = None) -> int:
+    """`python -m <module> --worker RELEASE_DIR`: a reference bench worker over the release (both families)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}",
                                      description="PyTorch reference bench worker (internal to cosyedge bench)")
     parser.add_argument("--worker", required=True, metavar="RELEASE_DIR")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    return serve(lambda: ReferencePipeline(Path(args.worker), args.threads))
+    return serve(lambda: pipeline(Path(args.worker), args.threads))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main("cosyedge.quantize.cosyvoice2.reference", ReferencePipeline, argv)
 
 
 if __name__ == "__main__":

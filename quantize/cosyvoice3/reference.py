@@ -12,7 +12,6 @@ Worker process: `python -m cosyedge.quantize.cosyvoice3.reference --worker RELEA
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -23,14 +22,14 @@ import numpy as np
 import torch
 
 from cosyedge.device.bench.clocks import StageClock
-from cosyedge.device.bench.worker import Settings, serve
+from cosyedge.device.bench.worker import Settings
 from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
 from cosyedge.device.cosyvoice2.sampling import SamplingConfig
 from cosyedge.device.cosyvoice3.frontend import SilentFilter, TextFrontend3
 from cosyedge.device.cosyvoice3.vocoder import Stream3Config, stream_tokens
 from cosyedge.quantize.cosyvoice2.bundle import _sampling
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, fixed_noise
-from cosyedge.quantize.cosyvoice2.reference import ReferencePipeline, _TorchFlow, release_voices
+from cosyedge.quantize.cosyvoice2.reference import ReferencePipeline, _TorchFlow, release_voices, worker_main
 from cosyedge.quantize.cosyvoice3.bundle import MAX_SILENT_RUN, SILENT_TOKENS, STREAM
 from cosyedge.quantize.cosyvoice3.hift import CausalHiFTGenerator
 from cosyedge.quantize.cosyvoice3.models import load_models
@@ -93,12 +92,7 @@ class ReferencePipeline3(ReferencePipeline):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyedge.quantize.cosyvoice3.reference",
-                                     description="PyTorch reference bench worker (internal to cosyedge bench)")
-    parser.add_argument("--worker", required=True, metavar="RELEASE_DIR")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
-    return serve(lambda: ReferencePipeline3(Path(args.worker), args.threads))
+    return worker_main("cosyedge.quantize.cosyvoice3.reference", ReferencePipeline3, argv)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ and HiFT calls of a request are the ones it makes alone, and its noise comes fro
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 from cosyedge.device.engine import Engine
 from cosyedge.device.options import SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
+from schedulertools import assert_concurrent_streams_match_alone, rows_per_step_delta
 
 ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
 
@@ -23,12 +23,6 @@ ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
 def engine(cv2_tiny_bundle: Path) -> Engine:
     return Engine.load(cv2_tiny_bundle, precision="fp32",
                        sessions=SessionConfig(providers=("cpu",), intra_op_threads=1), warmup=False)
-
-
-def _stats_delta(before: dict, after: dict) -> dict[int, int]:
-    """Decode steps per row count that happened between two `stats()` snapshots."""
-    return {k: n - before["rows_per_step"].get(k, 0) for k, n in after["rows_per_step"].items()
-            if n - before["rows_per_step"].get(k, 0)}
 
 
 def _lm_inputs(engine: Engine, text: str, request: SynthesisOptions) -> tuple[list[np.ndarray], list[int]]:
@@ -68,7 +62,7 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     groups = [pipeline._decoder.submit(*_lm_inputs(engine, text, req), req.sampling == "greedy",
                                        np.random.default_rng(req.seed)) for (text, _), req in zip(JOBS, requests)]
     assert [g.results() for g in groups] == alone_tokens
-    shared = _stats_delta(before, pipeline._decoder.stats())
+    shared = rows_per_step_delta(before, pipeline._decoder.stats())
     assert max(shared) >= 4  # the four requests (five rows) decoded in common steps
     # audio: each job alone, then all four in one call
     alone = [engine.synthesize_many([job])[0] for job in jobs]
@@ -83,42 +77,15 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     before = pipeline._decoder.stats()
     together = engine.synthesize_many(jobs)
     assert any(len(requests_in_call) > 1 for requests_in_call in flow_rows)
-    assert max(_stats_delta(before, pipeline._decoder.stats())) > 1
+    assert max(rows_per_step_delta(before, pipeline._decoder.stats())) > 1
     for a, b in zip(alone, together):
         assert a.size and np.array_equal(a, b)
     assert np.array_equal(together[2], engine.synthesize_waveform(JOBS[2][0], **JOBS[2][1]))
 
 
-def _stream(engine: Engine, text: str, options: dict) -> list[np.ndarray]:
-    return list(engine.stream(text, **options))
-
-
 def test_concurrent_streams_share_decode_steps(engine: Engine) -> None:
     """Four threads streaming at once (greedy and seeded, noise on and off) get the chunks each gets alone."""
-    alone = [_stream(engine, text, options) for text, options in JOBS]
-    assert sum(len(chunks) for chunks in alone) > len(JOBS)  # the long text streams in several chunks
-    before = engine.pipeline._decoder.stats()
-    start = threading.Barrier(len(JOBS))
-    together: list[list[np.ndarray] | None] = [None] * len(JOBS)
-    errors: list[BaseException] = []
-
-    def worker(index: int) -> None:
-        try:
-            start.wait(timeout=30)
-            together[index] = _stream(engine, *JOBS[index])
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(JOBS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    for a, b in zip(alone, together):
-        assert b is not None and len(a) == len(b) >= 1
-        assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert max(_stats_delta(before, engine.pipeline._decoder.stats())) > 1
+    assert_concurrent_streams_match_alone(engine, JOBS, timeout=120)
 
 
 def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
@@ -140,7 +107,7 @@ def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
     assert group_b.results() == [solo_b]
     after = pipeline._decoder.stats()
     assert after["joined_running"] - before["joined_running"] == 1
-    assert set(_stats_delta(before, after)) == {1, 2}
+    assert set(rows_per_step_delta(before, after)) == {1, 2}
     assert after["active_rows"] == 0 and after["waiting_groups"] == 0
 
 

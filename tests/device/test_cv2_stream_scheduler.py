@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ from cosyedge.device.engine import Engine
 from cosyedge.device.errors import Cancelled
 from cosyedge.device.options import BatchLimits
 from cosyedge.device.sessions import SessionConfig
+from schedulertools import assert_first_chunk_goes_first, wait_until
 
 VOICE = "tiny_spk_zh"
 TEXT = "收到好友从远方寄来的生日礼物。"
@@ -24,13 +24,6 @@ TEXT = "收到好友从远方寄来的生日礼物。"
 def engine(cv2_tiny_bundle: Path) -> Engine:
     return Engine.load(cv2_tiny_bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
                        warmup=False, limits=BatchLimits(batch_max=2))
-
-
-def _until(condition, what: str) -> None:
-    end = time.monotonic() + 60
-    while not condition():
-        assert time.monotonic() < end, what
-        time.sleep(0.005)
 
 
 def test_gate_gives_the_turn_to_the_fewest_chunks_emitted_then_the_earliest():
@@ -45,33 +38,15 @@ def test_gate_gives_the_turn_to_the_fewest_chunks_emitted_then_the_earliest():
         threads = [threading.Thread(target=wait_turn, args=args) for args in ((3, 1.0), (0, 5.0), (1, 0.5), (0, 2.0))]
         for thread in threads:
             thread.start()
-        _until(lambda: gate.waiting() == 4, "the tickets never queued")
+        wait_until(lambda: gate.waiting() == 4, "the tickets never queued")
     for thread in threads:
         thread.join(30)
     assert order == [(0, 2.0), (0, 5.0), (1, 0.5), (3, 1.0)]
 
 
 def test_a_new_streams_first_chunk_goes_before_a_running_streams_next_chunk(engine: Engine):
-    """Stream A has emitted chunks; while chunk work is held, A waits for its next chunk and B for its first:
-    B's first chunk is made first."""
-    gate = engine.pipeline._chunk_gate
-    segment = engine.segments(TEXT)[0]
     options = engine.options(voice=VOICE, seed=1, sampling="greedy")
-    pinned = replace(options, pin_tokens=300)  # long enough for several chunks
-    a = engine.pipeline.stream(segment, pinned)
-    next(a)  # A emitted its first chunk
-    made: list[str] = []
-    with gate.turn(0, 0.0):
-        threads = [threading.Thread(target=lambda: made.append(("A", next(a))[0])),
-                   threading.Thread(target=lambda: made.append(("B", next(engine.pipeline.stream(segment, pinned)))[0]))]
-        threads[0].start()
-        _until(lambda: gate.waiting() == 1, "A never asked for its next chunk")
-        threads[1].start()
-        _until(lambda: gate.waiting() == 2, "B never asked for its first chunk")
-    for thread in threads:
-        thread.join(60)
-    a.close()
-    assert made == ["B", "A"]
+    assert_first_chunk_goes_first(engine, engine.segments(TEXT)[0], replace(options, pin_tokens=300))
 
 
 def test_batch_max_bounds_the_rows_decoded_together(engine: Engine):
@@ -98,7 +73,7 @@ def test_stop_withdraws_a_decoding_row_before_the_next_step(engine: Engine):
     stop.set()
     with pytest.raises(Cancelled):
         list(chunks)
-    _until(lambda: decoder.stats()["cancelled_rows"] == before["cancelled_rows"] + 1, "the row never left")
+    wait_until(lambda: decoder.stats()["cancelled_rows"] == before["cancelled_rows"] + 1, "the row never left")
     after = decoder.stats()
     assert after["tokens"] - before["tokens"] < 2000 and after["active_rows"] == 0
     # the engine's surface: a stop set by the caller ends the stream quietly, without a final chunk
@@ -107,4 +82,4 @@ def test_stop_withdraws_a_decoding_row_before_the_next_step(engine: Engine):
     next(stream)
     stop2.set()
     assert list(stream) == []
-    _until(lambda: decoder.stats()["cancelled_rows"] == before["cancelled_rows"] + 2, "the row never left")
+    wait_until(lambda: decoder.stats()["cancelled_rows"] == before["cancelled_rows"] + 2, "the row never left")

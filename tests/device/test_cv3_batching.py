@@ -5,7 +5,7 @@ and HiFT calls are the ones it makes alone), whether the requests come in one `s
 concurrent streams."""
 from __future__ import annotations
 
-import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +13,7 @@ import pytest
 
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
+from schedulertools import assert_concurrent_streams_match_alone, assert_first_chunk_goes_first, rows_per_step_delta
 
 SYSTEM = "You are a helpful assistant.<|endofprompt|>"
 LONG = ("人工智能正在改变我们的生活方式。从智能手机上的语音助手，到自动驾驶汽车，再到医疗诊断系统，这些技术已经深入到社会的各个角"
@@ -29,11 +30,6 @@ JOBS = [("Hello, this is a tiny test of CosyVoice three.", {"voice": "zs_full", 
 def engine(cv3_tiny_bundle: Path) -> Engine:
     return Engine.load(cv3_tiny_bundle, precision="fp32",
                        sessions=SessionConfig(providers=("cpu",), intra_op_threads=1), warmup=False)
-
-
-def _rows_per_step(before: dict, after: dict) -> dict[int, int]:
-    return {k: n - before["rows_per_step"].get(k, 0) for k, n in after["rows_per_step"].items()
-            if n - before["rows_per_step"].get(k, 0)}
 
 
 def _submit(pipeline, segments, request):
@@ -55,19 +51,19 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     before = pipeline._decoder.stats()
     groups = [_submit(pipeline, *job) for job in jobs]            # all queued before any result is awaited
     assert [g.results() for g in groups] == alone_tokens
-    assert max(_rows_per_step(before, pipeline._decoder.stats())) >= 4   # four requests decoded in common steps
+    assert max(rows_per_step_delta(before, pipeline._decoder.stats())) >= 4   # four requests decoded in common steps
     alone = [engine.synthesize_many([job])[0] for job in jobs]
     flow_rows: list[set[int]] = []
     mels = pipeline._flow.mels
 
-    def recorded(prompts, token_rows):
+    def recorded(prompts, token_rows, *preset):
         flow_rows.append({id(p) for p in prompts})   # one FlowPrompt object per request
-        return mels(prompts, token_rows)
+        return mels(prompts, token_rows, *preset)
 
     monkeypatch.setattr(pipeline._flow, "mels", recorded)
     before = pipeline._decoder.stats()
     together = engine.synthesize_many(jobs)
-    assert max(_rows_per_step(before, pipeline._decoder.stats())) > 1
+    assert max(rows_per_step_delta(before, pipeline._decoder.stats())) > 1
     assert any(len(rows) > 1 for rows in flow_rows)
     for a, b in zip(alone, together):
         assert len(a) == len(b)
@@ -76,27 +72,10 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
 
 
 def test_concurrent_streams_get_what_each_gets_alone(engine: Engine) -> None:
-    alone = [list(engine.stream(text, **options)) for text, options in JOBS]
-    assert sum(len(chunks) for chunks in alone) > len(JOBS)   # some request streams in several chunks
-    before = engine.pipeline._decoder.stats()
-    start = threading.Barrier(len(JOBS))
-    together: list[list[np.ndarray] | None] = [None] * len(JOBS)
-    errors: list[BaseException] = []
+    assert_concurrent_streams_match_alone(engine, JOBS, timeout=300)
 
-    def worker(index: int) -> None:
-        try:
-            start.wait(timeout=30)
-            together[index] = list(engine.stream(JOBS[index][0], **JOBS[index][1]))
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(JOBS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors
-    for a, b in zip(alone, together):
-        assert b is not None and len(a) == len(b) >= 1
-        assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert max(_rows_per_step(before, engine.pipeline._decoder.stats())) > 1
+def test_a_new_streams_first_chunk_goes_before_a_running_streams_next_chunk(engine: Engine) -> None:
+    """CosyVoice3 streams take turns through the same ChunkGate as CosyVoice2's: first chunks first."""
+    options = engine.options(voice="zs_2s", seed=1, sampling="greedy")
+    assert_first_chunk_goes_first(engine, engine.segments(LONG)[0], replace(options, pin_tokens=300))

@@ -1,0 +1,76 @@
+"""Checks of the cross-request decode scheduler shared by the CosyVoice2 and CosyVoice3 tests."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from cosyedge.device.engine import Engine
+from cosyedge.device.options import Segment, SynthesisOptions
+
+
+def rows_per_step_delta(before: dict, after: dict) -> dict[int, int]:
+    """Decode steps per row count that happened between two `stats()` snapshots of the decoder."""
+    return {k: n - before["rows_per_step"].get(k, 0) for k, n in after["rows_per_step"].items()
+            if n - before["rows_per_step"].get(k, 0)}
+
+
+def assert_concurrent_streams_match_alone(engine: Engine, jobs: Sequence[tuple[str, dict[str, Any]]],
+                                          timeout: float) -> None:
+    """Each job (text, options) streamed alone, then all at once from their own threads: the chunks are equal,
+    the long job streams in several chunks, and the decoder really shared steps between them."""
+    alone = [list(engine.stream(text, **options)) for text, options in jobs]
+    assert sum(len(chunks) for chunks in alone) > len(jobs)  # some request streams in several chunks
+    before = engine.pipeline._decoder.stats()
+    start = threading.Barrier(len(jobs))
+    together: list[list[np.ndarray] | None] = [None] * len(jobs)
+    errors: list[BaseException] = []
+
+    def worker(index: int) -> None:
+        try:
+            start.wait(timeout=30)
+            text, options = jobs[index]
+            together[index] = list(engine.stream(text, **options))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not errors, errors
+    for a, b in zip(alone, together):
+        assert b is not None and len(a) == len(b) >= 1
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert max(rows_per_step_delta(before, engine.pipeline._decoder.stats())) > 1
+
+
+def wait_until(condition: Callable[[], bool], what: str, seconds: float = 60) -> None:
+    """Poll `condition` until it holds (bounded: fails with `what` after `seconds`)."""
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, what
+        time.sleep(0.005)
+
+
+def assert_first_chunk_goes_first(engine: Engine, segment: Segment, options: SynthesisOptions) -> None:
+    """Stream A has emitted a chunk; while chunk work is held, A waits for its next chunk and B for its first:
+    B's first chunk is made first (the pipeline's ChunkGate). `options` must give A several chunks."""
+    gate = engine.pipeline._chunk_gate
+    a = engine.pipeline.stream(segment, options)
+    next(a)  # A emitted its first chunk
+    made: list[str] = []
+    with gate.turn(0, 0.0):
+        threads = [threading.Thread(target=lambda: made.append(("A", next(a))[0])),
+                   threading.Thread(target=lambda: made.append(("B", next(engine.pipeline.stream(segment, options)))[0]))]
+        threads[0].start()
+        wait_until(lambda: gate.waiting() == 1, "A never asked for its next chunk")
+        threads[1].start()
+        wait_until(lambda: gate.waiting() == 2, "B never asked for its first chunk")
+    for thread in threads:
+        thread.join(60)
+    a.close()
+    assert made == ["B", "A"]
