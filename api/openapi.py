@@ -31,7 +31,7 @@ _AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mon
           "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
                       "audio/L16": {}}}
 _SYNTH_ERRORS = (400, 401, 413, 415, 429, 431, 500, 503, 504)
-PUBLIC_PATHS = ("/healthz", "/readyz")  # the probes answer without the API key
+PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/page.js", "/page.css")  # probes and the page's static files: no key
 
 
 def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
@@ -125,7 +125,7 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
             "/v1/bundle": {"get": {"summary": "The loaded bundle: name, family, sample rate, selection, quality report",
                                    "responses": {"200": _json({"type": "object"}), **_errors(401, 503)}}},
             **{path: {"get": {"summary": f"The local control page: {what} (package files, no external assets)",
-                              "responses": {"200": {"description": what, "content": {kind: {}}}, **_errors(401)}}}
+                              "responses": {"200": {"description": what, "content": {kind: {}}}}}}
                for path, what, kind in (("/", "the page", "text/html"), ("/page.js", "its script", "text/javascript"),
                                         ("/page.css", "its style sheet", "text/css"))},
         },
@@ -138,7 +138,7 @@ def spec(config: ServiceConfig) -> dict[str, Any]:
         }, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                           "description": "the service's API key, when it has one"}}},
     }
-    if config.api_key is not None:  # every route but the probes needs the key
+    if config.api_key is not None:  # every route but the probes and the page's files needs the key
         document["security"] = [{"bearer": []}]
         for path in PUBLIC_PATHS:
             document["paths"][path]["get"]["security"] = []

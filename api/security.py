@@ -24,7 +24,9 @@ from cosyedge.api.errors import ApiError
 
 log = logging.getLogger("cosyedge.api.slow")
 
-PUBLIC_ENDPOINTS = frozenset({"ops.healthz", "ops.readyz"})  # probes of systemd/orchestrators: no key
+# no key: the probes of systemd/orchestrators, and the control page's static files (no data in them; the page asks
+# for the key and sends it with every API call, as any client does)
+PUBLIC_ENDPOINTS = frozenset({"ops.healthz", "ops.readyz", "page.index", "page.script", "page.style"})
 REALM = 'Bearer realm="cosyedge"'
 
 

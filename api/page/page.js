@@ -9,8 +9,16 @@ const state = { played: { requests: 0, samples: 0, seconds: 0 }, recent: [], aud
                 recorded: null };
 window.cosyedge = state; // what the browser test reads
 
+// With an API key configured the service answers 401: the page asks for the key once and sends it as a Bearer
+// header with every API call, like any client (kept for this tab only, in sessionStorage).
+function withKey(options) {
+  const key = sessionStorage.getItem("cosyedge-api-key");
+  return key ? { ...options, headers: { ...(options.headers || {}), Authorization: `Bearer ${key}` } } : options;
+}
+
 async function api(path, options = {}) {
-  const response = await fetch(path, options);
+  const response = await fetch(path, withKey(options));
+  if (response.status === 401) $("key-form").hidden = false;
   if (!response.ok) {
     let message = `HTTP ${response.status}`;
     try {
@@ -272,12 +280,26 @@ window.addEventListener("DOMContentLoaded", async () => {
   $("stop").addEventListener("click", stopPlayback);
   $("register").addEventListener("submit", register);
   $("record").addEventListener("click", toggleRecording);
+  $("key-form").addEventListener("submit", useKey);
   await refreshStatus();
   setInterval(refreshStatus, 2000);
+  await load();
+});
+
+async function load() {
   try {
     await Promise.all([loadVoices(), loadBundle()]);
+    say("speak-status", "");
     document.body.dataset.loaded = "yes";
   } catch (e) {
     say("speak-status", `the service is not ready: ${e.message}`, true);
   }
-});
+}
+
+async function useKey(event) {
+  event.preventDefault();
+  sessionStorage.setItem("cosyedge-api-key", $("api-key").value);
+  $("api-key").value = "";
+  $("key-form").hidden = true;
+  await Promise.all([refreshStatus(), load()]);
+}

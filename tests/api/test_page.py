@@ -113,6 +113,31 @@ def test_page_loads_plays_and_shows_the_service(browser, default_engine, tmp_pat
             shutil.copy(shot, os.environ["COSYEDGE_PAGE_SCREENSHOT"])
 
 
+def test_the_page_asks_for_the_api_key(browser, default_engine, tmp_path):
+    """With an API key the page's files load without it; the first 401 shows the key field, and with the key
+    entered the page loads its data and speaks (every API call carries the Bearer header)."""
+    key = "k3y-" + "0123456789abcdef0123456789ab"
+    with run_server(api_config(tmp_path, api_key=key), default_engine) as srv:
+        page = browser.new_page()
+        crashes: list[str] = []  # the 401s are expected console messages; uncaught exceptions are not
+        page.on("pageerror", lambda e: crashes.append(str(e)))
+        page.goto(srv.url + "/")
+        page.wait_for_selector("#key-form", state="visible", timeout=T)
+        assert page.get_attribute("body", "data-loaded") is None  # nothing loaded without the key
+        page.fill("#api-key", key)
+        page.click("#key-form button")
+        page.wait_for_selector("body[data-loaded=yes]", timeout=T)
+        assert page.is_hidden("#key-form") and page.text_content("#bundle-name") == default_engine.bundle.manifest.name
+        page.fill("#text", "Counter three is free.")
+        page.select_option("#format", "mp3")
+        page.click("#play")
+        deadline = time.monotonic() + T / 1000
+        while page.evaluate("window.cosyedge.played.requests") < 1:
+            assert time.monotonic() < deadline, page.text_content("#speak-status")
+            time.sleep(0.05)
+        assert page.evaluate("window.cosyedge.played.seconds") > 0.5 and crashes == []
+
+
 def test_voice_registration_round_trips(browser, cv2_tiny_bundle, golden_dir, tmp_path):
     state = tmp_path / "state"
     engine = Engine.load(cv2_tiny_bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
