@@ -304,8 +304,13 @@ class Session:
         return round(samples / self.rate, 6) if self.rate else 0.0
 
     def _send(self, data: bytes | str) -> None:
+        """One frame; a client gone mid-send (a reset socket is an OSError) is ConnectionClosed, whichever thread
+        sends."""
         with self.send_lock:
-            self.ws.send(data)
+            try:
+                self.ws.send(data)
+            except OSError as exc:
+                raise ConnectionClosed() from exc
 
     def _send_json(self, event: dict[str, Any]) -> None:
         self._send(json.dumps(event))

@@ -77,7 +77,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
         key = (v.component, v.precision)
         if key not in files:
             log(f"building {v.component}.{v.precision}")
-            needs = v.precision == "int8" and not (v.component == v.graph and uncalibrated(v.graph))
+            needs = v.precision == "int8" and not (v.component == v.graph and uncalibrated(v.graph, rules))
             files[key] = build_variant(v, fp32[v.graph], work / f"{v.component}.{v.precision}.onnx",
                                        calibration_for(v.graph) if needs else None, cpu_llm_method, rules)
             _return_freed_memory()

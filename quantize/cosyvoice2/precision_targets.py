@@ -70,9 +70,12 @@ class GraphRules:
     graph names and ladders are shared; node names differ, e.g. CosyVoice3's DiT estimator)."""
     int8_exclude: Mapping[str, tuple[str, ...]]
     fp32_names: Mapping[str, tuple[str, ...]]
+    # graphs whose cpu int8 is dynamic (weights quantized, activations per call: no calibration); the others but
+    # the LLM's (weight-only) are static QDQ, calibrated
+    dynamic_int8: frozenset[str] = frozenset()
 
 
-CV2_RULES = GraphRules(INT8_EXCLUDE, FP32_NAMES)
+CV2_RULES = GraphRules(INT8_EXCLUDE, FP32_NAMES, frozenset({"flow_estimator"} if CPU_FLOW_DYNAMIC else ()))
 
 
 def fp32_island(graph_name: str, quantized: bool = False, rules: GraphRules = CV2_RULES
@@ -103,9 +106,9 @@ def variant(target: str, graph: str, precision: str) -> Variant:
     return Variant(graph, graph, precision)
 
 
-def uncalibrated(graph: str) -> bool:
+def uncalibrated(graph: str, rules: GraphRules = CV2_RULES) -> bool:
     """Whether the cpu int8 graph of `graph` is quantized without calibration inputs (weights-only or dynamic)."""
-    return graph.startswith("llm_") or (graph == "flow_estimator" and CPU_FLOW_DYNAMIC)
+    return graph.startswith("llm_") or graph in rules.dynamic_int8
 
 
 def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[str, np.ndarray]] | None,
@@ -119,7 +122,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
     if v.component == v.graph and v.graph.startswith("llm_"):
         method = {"matmul_nbits": int8_weights_nbits, "dynamic": int8_weights_dynamic}[cpu_llm_method]
         return method(fp32, dst, exclude)
-    if v.component == v.graph and v.graph == "flow_estimator" and CPU_FLOW_DYNAMIC:
+    if v.component == v.graph and v.graph in rules.dynamic_int8:
         return int8_weights_dynamic(fp32, dst, exclude)
     qdq = dst.with_name(f"{dst.stem}.qdq32.onnx") if v.component != v.graph else dst
     static_int8_qdq(fp32, qdq, calibration or (), exclude)

@@ -31,6 +31,7 @@ from cosyedge.quantize.cosyvoice2.precision_targets import FP32_NAMES, INT8_EXCL
 
 FLOW_CALIBRATION_STRIDE = 2
 _BLOCK_GLUE = r"^/estimator/transformer_blocks\.\d+/[A-Za-z]+(_\d+)?$"   # LN, modulation, gates, residual adds
+# The DiT keeps static (calibrated) QDQ int8 on cpu, as its gates were measured; CosyVoice2's estimator is dynamic.
 CV3_RULES = GraphRules(
     int8_exclude={**INT8_EXCLUDE,
                   "flow_encoder": (r"^/spk_embed_affine_layer/", r"^/input_embedding/"),
