@@ -128,7 +128,9 @@ def _local_service(bundle: str | None, target: str | None) -> Iterator[tuple[str
         yield f"http://127.0.0.1:{server.effective_port}", engine
     finally:
         app.extensions["cosyedge"].stop()
+        server.task_dispatcher.shutdown(timeout=5)  # first: a task ending after close() pulls a closed trigger
         server.close()
+        thread.join(timeout=5)
 
 
 def run_api_bench(url: str | None = None, bundle: str | None = None, target: str | None = None,
