@@ -21,6 +21,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_api(args: argparse.Namespace) -> int:
     from cosyedge.api.bench import format_report, run_api_bench
+    if args.cache_wyoming:  # issue 14's figures: a real `cosyedge serve --wyoming` process, measured from outside
+        from cosyedge.api.latency import format_latency, run
+        if args.requests < 1:
+            raise InputError("--requests must be at least 1")
+        report = run(args.bundle, rounds=5 * args.requests, stream_rounds=args.requests)
+        print(format_latency(report))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        return 0
     try:
         levels = tuple(int(n) for n in args.concurrency.split(","))
     except ValueError:
@@ -65,4 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=4, help="requests per client")
     p.add_argument("--text", action="append", help="a text of the workload (repeatable; default: 5 sentences)")
     p.add_argument("--json", help="write the report to this file")
+    p.add_argument("--cache-wyoming", action="store_true",
+                   help="instead: phrase-cache hit latency (wav, mp3; 5 x --requests) and HTTP vs Wyoming first "
+                        "audio (--requests pairs) of one `cosyedge serve --wyoming` process")
     p.set_defaults(func=cmd_bench_api)

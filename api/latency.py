@@ -122,6 +122,20 @@ def run(bundle: str | None, rounds: int, stream_rounds: int) -> dict[str, Any]:
                 "first_audio": first_audio(service.port, wyoming_port, {}, stream_rounds)}
 
 
+def format_latency(report: dict[str, Any]) -> str:
+    """The report as a short table (milliseconds): cache hits per format, then first audio per path."""
+    lines = [f"cosyedge bench-api --cache-wyoming: {report['bundle']} ({report['family']}), milliseconds",
+             f"{'':32}{'p50':>9}{'p95':>9}"]
+    for fmt, entry in report["cache"].items():
+        lines.append(f"{'cache hit ' + fmt:32}{entry['hit']['p50_ms']:9.1f}{entry['hit']['p95_ms']:9.1f}"
+                     f"   (miss {entry['miss_ms']:.0f} ms, {entry['audio_s']:.2f} s of audio)")
+    first = report["first_audio"]
+    for name in ("http_first_byte", "wyoming_first_chunk", "wyoming_streaming_first_chunk"):
+        lines.append(f"{'first audio ' + name:32}{first[name]['p50_ms']:9.1f}{first[name]['p95_ms']:9.1f}")
+    lines.append(f"Wyoming - HTTP first audio, paired median: {first['wyoming_minus_http_p50_ms']:.1f} ms")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cosyedge.api.latency", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")

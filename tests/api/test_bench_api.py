@@ -34,3 +34,21 @@ def test_bench_api_refuses_a_bad_concurrency_list(tmp_path: Path):
     result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "bench-api", "--concurrency", "1,x"],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2 and "--concurrency" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bench_api_cache_wyoming_measures_hits_and_both_first_audios(tmp_path: Path):
+    """`--cache-wyoming`: one real `cosyedge serve --wyoming` process; the hits really are cache hits (the module
+    asserts the X-Cosyedge-Cache header of every answer) and every path delivered audio."""
+    out = tmp_path / "latency.json"
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "bench-api", "--cache-wyoming",
+                             "--requests", "1", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["cache"]) == {"wav", "mp3"}
+    assert all(entry["hit"]["n"] == 5 and entry["hit"]["p50_ms"] > 0 and entry["audio_s"] > 1
+               for entry in report["cache"].values())
+    first = report["first_audio"]
+    assert all(first[name]["n"] == 1 and first[name]["p50_ms"] > 0
+               for name in ("http_first_byte", "wyoming_first_chunk", "wyoming_streaming_first_chunk"))
+    assert "cache hit wav" in result.stdout and "first audio wyoming_first_chunk" in result.stdout
