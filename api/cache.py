@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -49,6 +50,16 @@ class Entry:
 def content_type(fmt: str, rate: int) -> str:
     """The Content-Type of an answer (raw pcm carries its rate)."""
     return f"audio/L16; rate={rate}; channels=1" if fmt == "pcm" else MIME[fmt]
+
+
+# The names the cache writes: <first two hex digits>/<sha256 key>.bin, and .<that name>.<pid>.<thread>.partial while
+# writing. Eviction and `clear` delete only such names, never another file someone put in the folder.
+_ENTRY = re.compile(r"[0-9a-f]{64}\.bin")
+_PARTIAL = re.compile(r"\.[0-9a-f]{64}\.bin\.\d+\.\d+\.partial")
+
+
+def _ours(path: Path, name: re.Pattern[str]) -> bool:
+    return name.fullmatch(path.name) is not None and path.name.lstrip(".")[:2] == path.parent.name
 
 
 def state_root(state_dir: str | None) -> Path:
@@ -148,6 +159,8 @@ class PhraseCache:
         """(mtime, size, path) of every entry."""
         found = []
         for path in self.root.glob("*/*.bin"):
+            if not _ours(path, _ENTRY):
+                continue
             try:
                 stat = path.stat()
             except OSError:
@@ -177,6 +190,8 @@ class PhraseCache:
         """Delete every entry and unfinished write (nothing else), and the emptied folders; returns the entries."""
         count = 0
         for path in [*self.root.glob("*/*.bin"), *self.root.glob("*/.*.partial")]:
+            if not (_ours(path, _ENTRY) or _ours(path, _PARTIAL)):
+                continue
             path.unlink(missing_ok=True)
             count += path.suffix == ".bin"
         for folder in self.root.glob("*"):

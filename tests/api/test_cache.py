@@ -80,6 +80,21 @@ def test_the_size_cap_evicts_the_least_recently_used(default_engine, tmp_path):
     assert cache.stats()["bytes"] <= cache.max_bytes
 
 
+def test_eviction_and_clear_delete_only_what_the_cache_wrote(tmp_path):
+    """Files someone else put in the cache folder (even named *.bin) survive eviction and `clear`."""
+    cache = PhraseCache(tmp_path / "cache", max_bytes=10)
+    key = "ab" + "0" * 62
+    (tmp_path / "cache" / "ab").mkdir(parents=True)
+    (tmp_path / "cache" / "ab" / f"{key}.bin").write_bytes(b"x" * 20)  # an entry of the cache's own shape
+    foreign = [tmp_path / "cache" / "ab" / "notes.bin", tmp_path / "cache" / "ab" / f"{'cd' + '0' * 62}.bin",
+               tmp_path / "cache" / "ab" / ".backup.partial"]
+    for path in foreign:
+        path.write_bytes(b"y" * 20)
+    assert cache.evict() == 1 and all(path.exists() for path in foreign)
+    (tmp_path / "cache" / "ab" / f"{key}.bin").write_bytes(b"x" * 20)
+    assert cache.clear() == 1 and all(path.exists() for path in foreign)
+
+
 def _cv2_engine(bundle: Path, state: Path) -> Engine:
     return Engine.load(bundle, precision="fp32", sessions=SessionConfig(providers=("cpu",), intra_op_threads=1),
                        warmup=False, state_dir=state)
