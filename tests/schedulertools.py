@@ -17,22 +17,18 @@ def rows_per_step_delta(before: dict, after: dict) -> dict[int, int]:
             if n - before["rows_per_step"].get(k, 0)}
 
 
-def assert_concurrent_streams_match_alone(engine: Engine, jobs: Sequence[tuple[str, dict[str, Any]]],
-                                          timeout: float) -> None:
-    """Each job (text, options) streamed alone, then all at once from their own threads: the chunks are equal,
-    the long job streams in several chunks, and the decoder really shared steps between them."""
-    alone = [list(engine.stream(text, **options)) for text, options in jobs]
-    assert sum(len(chunks) for chunks in alone) > len(jobs)  # some request streams in several chunks
-    before = engine.pipeline._decoder.stats()
+def run_together(jobs: Sequence[tuple[str, dict[str, Any]]], call: Callable[[str, dict[str, Any]], Any],
+                 timeout: float) -> list[Any]:
+    """`call(text, options)` for every job, each in its own thread, all released at once; the results in job order
+    (the first error a thread hit is raised here)."""
     start = threading.Barrier(len(jobs))
-    together: list[list[np.ndarray] | None] = [None] * len(jobs)
+    results: list[Any] = [None] * len(jobs)
     errors: list[BaseException] = []
 
     def worker(index: int) -> None:
         try:
             start.wait(timeout=30)
-            text, options = jobs[index]
-            together[index] = list(engine.stream(text, **options))
+            results[index] = call(*jobs[index])
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
@@ -42,8 +38,20 @@ def assert_concurrent_streams_match_alone(engine: Engine, jobs: Sequence[tuple[s
     for t in threads:
         t.join(timeout=timeout)
     assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a job did not finish in time"
+    return results
+
+
+def assert_concurrent_streams_match_alone(engine: Engine, jobs: Sequence[tuple[str, dict[str, Any]]],
+                                          timeout: float) -> None:
+    """Each job (text, options) streamed alone, then all at once from their own threads: the chunks are equal,
+    the long job streams in several chunks, and the decoder really shared steps between them."""
+    alone = [list(engine.stream(text, **options)) for text, options in jobs]
+    assert sum(len(chunks) for chunks in alone) > len(jobs)  # some request streams in several chunks
+    before = engine.pipeline._decoder.stats()
+    together = run_together(jobs, lambda text, options: list(engine.stream(text, **options)), timeout)
     for a, b in zip(alone, together):
-        assert b is not None and len(a) == len(b) >= 1
+        assert len(a) == len(b) >= 1
         assert all(np.array_equal(x, y) for x, y in zip(a, b))
     assert max(rows_per_step_delta(before, engine.pipeline._decoder.stats())) > 1
 

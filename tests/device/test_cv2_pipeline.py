@@ -25,6 +25,7 @@ from cosyedge.device.engine import Engine
 from cosyedge.device.errors import InputError
 from cosyedge.device.options import SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
+from schedulertools import run_together
 
 MEL_ATOL = 1e-4
 SNR_DB = 40.0
@@ -251,26 +252,9 @@ def test_concurrent_renders_share_nothing(engine: Engine) -> None:
             ("收到好友从远方寄来的生日礼物。", {"voice": ZH_VOICE, "seed": 5}),
             ("Good morning, my friend.", {"voice": ZH_VOICE, "mode": "cross_lingual", "seed": 6})]
     alone = [engine.synthesize_waveform(text, **options) for text, options in jobs]
-    start = threading.Barrier(len(jobs))
-    together: list[np.ndarray | None] = [None] * len(jobs)
-    errors: list[BaseException] = []
-
-    def worker(index: int) -> None:
-        try:
-            start.wait(timeout=30)
-            text, options = jobs[index]
-            together[index] = engine.synthesize_waveform(text, **options)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
+    together = run_together(jobs, lambda text, options: engine.synthesize_waveform(text, **options), 120)
     for a, b in zip(alone, together):
-        assert b is not None and a.shape == b.shape
+        assert a.shape == b.shape
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
 
