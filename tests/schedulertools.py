@@ -71,7 +71,7 @@ def assert_first_chunk_goes_first(engine: Engine, segment: Segment, options: Syn
     a = engine.pipeline.stream(segment, options)
     next(a)  # A emitted its first chunk
     made: list[str] = []
-    with gate.turn(0, 0.0):
+    with gate.turn(1, 0.0):  # another stream's later chunk holds the slot (a first chunk would pause decoding)
         threads = [threading.Thread(target=lambda: made.append(("A", next(a))[0])),
                    threading.Thread(target=lambda: made.append(("B", next(engine.pipeline.stream(segment, options)))[0]))]
         threads[0].start()

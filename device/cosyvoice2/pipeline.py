@@ -66,11 +66,13 @@ class CosyVoice2Pipeline(Pipeline):
         self._precision = {name: graphs[name].precision for name in STAGES}
         self._sessions = {name: sessions.create(bundle.path(graphs[name].file)) for name in STAGES}
         s = self._sessions
+        self._chunk_gate = ChunkGate()  # concurrent streams' chunk work, first chunks first (decode waits for them)
         try:
             self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
                                 bundle.asset("speech_embedding"), bundle.asset("llm_embedding"),
                                 self._decode_config(cfg))
-            self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS))
+            self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS),
+                                            before_step=self._chunk_gate.wait_first_chunks)
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)
             noise = np.load(bundle.asset("cfm_noise"))
             noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
@@ -90,7 +92,6 @@ class CosyVoice2Pipeline(Pipeline):
         self._bundle = bundle
         self._session_config = sessions
         self._prompt_models: tuple[Any, Any] | None = None
-        self._chunk_gate = ChunkGate()  # concurrent streams' chunk work, first chunks first
         self._prompt_lock = threading.Lock()
 
     # -- family hooks (CosyVoice3 overrides them; device/cosyvoice3/pipeline.py) ---------------

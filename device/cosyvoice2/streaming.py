@@ -10,7 +10,9 @@ ratio * offset. When the LLM stops, one final call voices every remaining token 
 Fairness between concurrent streams (`ChunkGate`): the flow + HiFT work of one chunk waits for its turn, and the
 turn goes to the stream that has emitted the fewest chunks, then to the one that began first, so a new request's
 first chunk never waits behind another request's later chunks. The priority lives in the waiting ticket (a
-local of the stream), never on the shared gate.
+local of the stream), never on the shared gate. While a first chunk's work runs, the LLM decode loop waits before
+its next step (`wait_first_chunks`, called by the `DecodeScheduler`), so on a small CPU the cores go to the chunk
+that ends the listener's silence rather than to tokens that are not needed yet.
 """
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ class ChunkGate:
         self._free = slots
         self._waiting: list[tuple[int, float, int]] = []  # heap of tickets
         self._order = itertools.count()
+        self._first_running = 0  # slots held by first chunks
 
     def waiting(self) -> int:
         """Tickets waiting for a turn (tests, metrics)."""
@@ -80,13 +83,20 @@ class ChunkGate:
             self._cond.wait_for(lambda: self._free > 0 and self._waiting[0] == ticket)
             heapq.heappop(self._waiting)
             self._free -= 1
+            self._first_running += emitted == 0
             self._cond.notify_all()  # with slots left, the next ticket may go too
         try:
             yield
         finally:
             with self._cond:
                 self._free += 1
+                self._first_running -= emitted == 0
                 self._cond.notify_all()
+
+    def wait_first_chunks(self) -> None:
+        """Block while any stream's first chunk is in flow + HiFT (the decode loop calls this before each step)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._first_running == 0)
 
 
 def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder: Vocoder, config: StreamConfig,

@@ -49,6 +49,31 @@ def test_a_new_streams_first_chunk_goes_before_a_running_streams_next_chunk(engi
     assert_first_chunk_goes_first(engine, engine.segments(TEXT)[0], replace(options, pin_tokens=300))
 
 
+
+def test_decoding_waits_while_a_first_chunk_is_in_the_flow(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+    """Issue 12 item 4: no decode step starts while a stream's first chunk is in flow + HiFT (at most the step
+    already running ends), and decoding goes on after it. The first chunk's flow is held 0.3 s so that, without
+    the pause, the decode loop (about a millisecond a step here) would run many steps meanwhile."""
+    flow, decoder = engine.pipeline._flow, engine.pipeline._decoder
+    real_mel, seen = flow.mel, []
+
+    def held_mel(*args, **kwargs):
+        before = decoder.stats()["decode_steps"]
+        if not seen:
+            threading.Event().wait(0.3)
+        mel = real_mel(*args, **kwargs)
+        seen.append(decoder.stats()["decode_steps"] - before)
+        return mel
+
+    monkeypatch.setattr(flow, "mel", held_mel)
+    options = replace(engine.options(voice=VOICE, seed=3, sampling="greedy"), pin_tokens=200)
+    start = decoder.stats()["decode_steps"]
+    chunks = list(engine.pipeline.stream(engine.segments(TEXT)[0], options))
+    assert len(chunks) >= 3 and len(seen) == len(chunks)
+    assert seen[0] <= 1, f"{seen[0]} decode steps ran during the first chunk's flow"
+    assert decoder.stats()["decode_steps"] - start >= 199
+
+
 def test_batch_max_bounds_the_rows_decoded_together(engine: Engine):
     """Three requests at once under batch_max=2: no decode step holds more than two rows."""
     before = dict(engine.pipeline._decoder.stats()["rows_per_step"])
