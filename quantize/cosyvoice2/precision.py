@@ -8,26 +8,16 @@ precision_transforms.py; layout and manifest keys in docs/bundle_cosyvoice2.md, 
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from cosyedge.device.bundle import TARGETS
+from cosyedge.device.sessions import return_freed_memory
 from cosyedge.quantize.cosyvoice2.precision_targets import (CPU_LLM_METHOD, CV2_RULES, LADDERS, OPTIONAL_INT8,
                                                             STAGE_GRAPHS, GraphRules, Variant, build_variant,
                                                             stage_variants, uncalibrated)
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps the freed protobuf / numpy buffers of a 1.4 GB graph mapped (RSS grew past 8 GB over two LLM
-    graphs); hand them back to the OS between graphs."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 @dataclass
@@ -80,7 +70,8 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
             needs = v.precision == "int8" and not (v.component == v.graph and uncalibrated(v.graph, rules))
             files[key] = build_variant(v, fp32[v.graph], work / f"{v.component}.{v.precision}.onnx",
                                        calibration_for(v.graph) if needs else None, cpu_llm_method, rules)
-            _return_freed_memory()
+            gc.collect()  # the protobuf / numpy buffers of a 1.4 GB graph (RSS grew past 8 GB over two LLM graphs)
+            return_freed_memory()
         return files[key]
 
     config: dict[str, dict] = {}
@@ -100,7 +91,8 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
                     graphs = {v.graph: path_of(v) for v in stage_variants(target, stage, precision)}
                     result = gates.check(stage, graphs, precision)
                     gates.forget(p for g, p in graphs.items() if p != fp32[g])   # full-size sessions are large
-                    _return_freed_memory()
+                    gc.collect()
+                    return_freed_memory()
                     entry["attempts"].append(result.as_dict())
                     log(f"{target} {stage} {precision}: {result.metrics} "
                         f"{'pass' if result.passed else result.failures}")
