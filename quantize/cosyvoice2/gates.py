@@ -6,7 +6,7 @@ then teacher-forced through both precisions; the flow runs random speech tokens 
 CFG Euler loop from the bundle's fixed noise; HiFT vocodes the fp32 flow mel with zero source noise. Calibration sets
 for static int8 are recorded from the same fp32 runs with other seeds, so a gate never scores on calibration data.
 
-Thresholds (`THRESHOLDS`) are module constants; the report of every check lands in `manifest.quality[target][stage]`.
+Thresholds (`THRESHOLDS`, per precision where it differs: `PRECISION_THRESHOLDS`) are module constants; the report of every check lands in `manifest.quality[target][stage]`.
 """
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "flow": {"mel_cosine_min": 0.995, "mel_rel_l2_max": 0.10},
     "hift": {"snr_db_min": 15.0, "mcd_db_max": 1.0},
     "e2e": {"mcd_db_max": 2.0},
+}
+# Where a precision is held to other limits than THRESHOLDS. 4-bit LLM weights (cpu-int4) carry ~16x the rounding
+# error of 8-bit blocks: TODO measured
+PRECISION_THRESHOLDS: dict[str, dict[str, dict[str, float]]] = {
+    "int4": {"llm": {"top1_agreement_decisive_min": 0.95, "mean_kl_max": 0.10}},
 }
 DECISIVE_NATS = 0.1
 GATE_THREADS = 1                # one thread: reproducible numbers on any build host
@@ -100,9 +105,14 @@ class StageReport:
                 "thresholds": self.thresholds, "failures": self.failures}
 
 
+def thresholds(stage: str, precision: str) -> dict[str, float]:
+    """The limits `stage` is judged by at `precision`: PRECISION_THRESHOLDS where it has them, else THRESHOLDS."""
+    return PRECISION_THRESHOLDS.get(precision, {}).get(stage, THRESHOLDS[stage])
+
+
 def judge(stage: str, precision: str, metrics: dict[str, float]) -> StageReport:
-    """Compare metrics with THRESHOLDS[stage] (`*_min` / `*_max`); NaN always fails."""
-    limits = THRESHOLDS[stage]
+    """Compare metrics with `thresholds(stage, precision)` (`*_min` / `*_max`); NaN always fails."""
+    limits = thresholds(stage, precision)
     failures = []
     for key, limit in limits.items():
         name, bound = key.rsplit("_", 1)
