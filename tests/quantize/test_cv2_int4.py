@@ -21,7 +21,8 @@ from cosyedge.device.bundle import Bundle
 from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2 import precision, precision_targets
 from cosyedge.quantize.cosyvoice2.gates import PRECISION_THRESHOLDS, THRESHOLDS, GateConfig, Gates
-from cosyedge.quantize.cosyvoice2.precision_targets import NBITS_BLOCK, STAGE_GRAPHS
+from cosyedge.quantize.cosyvoice2.precision_targets import STAGE_GRAPHS
+from cosyedge.quantize.cosyvoice2.precision_transforms import NBITS_BLOCK
 from cosyedge.quantize.cosyvoice2.random_init import write_random_release
 
 pytestmark = pytest.mark.slow
