@@ -6,7 +6,8 @@ then teacher-forced through both precisions; the flow runs random speech tokens 
 CFG Euler loop from the bundle's fixed noise; HiFT vocodes the fp32 flow mel with zero source noise. Calibration sets
 for static int8 are recorded from the same fp32 runs with other seeds, so a gate never scores on calibration data.
 
-Thresholds (`THRESHOLDS`, per precision where it differs: `PRECISION_THRESHOLDS`) are module constants; the report of every check lands in `manifest.quality[target][stage]`.
+Thresholds (`THRESHOLDS`, per precision where it differs: `PRECISION_THRESHOLDS`) are module constants; the
+report of every check lands in `manifest.quality[target][stage]`.
 """
 from __future__ import annotations
 
