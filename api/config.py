@@ -18,7 +18,7 @@ from cosyedge.device.errors import InputError
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 PRECISIONS = ("auto", "fp32", "fp16", "int8")  # numeric formats
-TARGETS = ("cpu", "gpu-fp16", "trt-int8")       # build targets of `cosyedge quantize`
+TARGETS = ("cpu", "cpu-int4", "gpu-fp16", "trt-int8")  # build targets of `cosyedge quantize`
 API_KEY_MIN, API_KEY_MAX = 16, 512
 API_KEY = re.compile(r"[\x21-\x7e]{%d,%d}" % (API_KEY_MIN, API_KEY_MAX))  # what fits in `Bearer <key>` unquoted
 
@@ -64,7 +64,7 @@ class ServiceConfig:
             (0 <= self.effective_port <= 65535, "port + instance must be <= 65535"),
             (bool(self.host), "host must not be empty"),
             (self.precision in PRECISIONS, "precision must be auto, fp32, fp16 or int8"),
-            (self.target is None or self.target in TARGETS, "target must be cpu, gpu-fp16 or trt-int8"),
+            (self.target is None or self.target in TARGETS, "target must be cpu, cpu-int4, gpu-fp16 or trt-int8"),
             (self.target is None or self.precision == "auto", "give a precision or a target, not both"),
             (1 <= self.http_threads <= 1024, "http_threads must be 1-1024"),
             (1 <= self.queue_size <= 100000, "queue_size must be 1-100000"),

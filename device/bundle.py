@@ -16,8 +16,8 @@ from cosyedge.device.errors import BundleError
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 FAMILIES = ("vits", "cosyvoice2", "cosyvoice3")
-PRECISIONS = ("fp32", "fp16", "int8")  # numeric formats of single graphs
-TARGETS = ("cpu", "gpu-fp16", "trt-int8")  # build targets: per-graph precisions chosen by quality gates
+PRECISIONS = ("fp32", "fp16", "int8", "int4")  # numeric formats of single graphs (int4: LLM weights of cpu-int4)
+TARGETS = ("cpu", "cpu-int4", "gpu-fp16", "trt-int8")  # build targets: per-graph precisions chosen by quality gates
 
 
 def sha256_file(path: Path) -> str:
@@ -151,13 +151,13 @@ class Bundle:
 
     @property
     def targets(self) -> dict[str, Any]:
-        """Precision targets written by `cosyedge quantize --target` (cpu, gpu-fp16, trt-int8)."""
+        """Precision targets written by `cosyedge quantize --target` (cpu, cpu-int4, gpu-fp16, trt-int8)."""
         return dict(self.manifest.config.get("targets", {}))
 
     def selected(self, selection: str) -> dict[str, Component]:
         """The component every graph runs with under `selection`.
 
-        A target name (`cpu`, `gpu-fp16`, `trt-int8`) uses the graphs its quality gates chose; a precision
+        A target name (`cpu`, `cpu-int4`, `gpu-fp16`, `trt-int8`) uses the graphs its quality gates chose; a precision
         (`int8`) uses that precision where a graph has it and fp32 elsewhere (stages quantise unevenly).
         """
         names = list(dict.fromkeys(c.name for c in self.manifest.components))

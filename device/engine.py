@@ -33,7 +33,8 @@ _TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", 
 
 
 def check_selection(precision: str, target: str | None) -> None:
-    """A numeric precision (fp32, fp16, int8, auto) or a build target (cpu, gpu-fp16, trt-int8), never both."""
+    """A numeric precision (fp32, fp16, int8, int4, auto) or a build target (cpu, cpu-int4, gpu-fp16, trt-int8),
+    never both."""
     if precision in TARGETS:
         raise InputError(f"{precision!r} is a build target; use target")
     if precision != "auto" and precision not in PRECISIONS:

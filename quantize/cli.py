@@ -88,8 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--piper-config", help="its .onnx.json (default: next to the model)")
     p.add_argument("--out", help="bundle directory to write")
     p.add_argument("--target", action="append", metavar="TARGET",
-                   help="with --model-dir: also build cpu, gpu-fp16 and/or trt-int8 graphs (repeatable or comma list); "
-                        "each quantized stage must pass its quality gate against fp32")
+                   help="with --model-dir: also build cpu, cpu-int4 (cpu with a 4-bit LLM), gpu-fp16 and/or trt-int8 graphs "
+                        "(repeatable or comma list); each quantized stage must pass its quality gate against fp32")
     p.add_argument("--allow-fallback", action="store_true",
                    help="a stage that misses its gate keeps the next higher precision instead of failing the build")
     p.add_argument("--force", action="store_true", help="rebuild the default voice's bundle")

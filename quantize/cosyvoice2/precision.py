@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 
 from cosyedge.device.bundle import TARGETS
 from cosyedge.device.sessions import return_freed_memory
-from cosyedge.quantize.cosyvoice2.precision_targets import (CPU_LLM_METHOD, CV2_RULES, LADDERS, OPTIONAL_INT8,
-                                                            STAGE_GRAPHS, GraphRules, Variant, build_variant,
-                                                            stage_variants, uncalibrated)
+from cosyedge.quantize.cosyvoice2.precision_targets import (CPU_LLM_METHOD, CPU_TARGETS, CV2_RULES, LADDERS,
+                                                            OPTIONAL_INT8, STAGE_GRAPHS, GraphRules, Variant,
+                                                            build_variant, stage_variants, uncalibrated)
 
 
 @dataclass
@@ -34,8 +34,10 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     """Build every target's graphs from the fp32 exports in `fp32` (graph -> path) into `work` and gate each stage.
 
     A stage that misses its gate raises ReleaseError naming target and stage, unless `allow_fallback`: then the stage
-    moves down its ladder (int8 -> fp16 -> fp32 for trt-int8, int8 -> fp32 for cpu, fp16 -> fp32 for gpu-fp16) and the
-    manifest records `fallback_from`. The cpu HiFT decoder is int8 only when it passes (fp32 otherwise, no error).
+    moves down its ladder (int8 -> fp16 -> fp32 for trt-int8, int8 -> fp32 for cpu, the LLM int4 -> int8 -> fp32 for
+    cpu-int4, fp16 -> fp32 for gpu-fp16) and the manifest records `fallback_from`. The cpu HiFT decoder is int8 only
+    when it passes (fp32 otherwise, no error). Graphs two targets share (cpu and cpu-int4 flow / HiFT) are built and
+    gated once.
     After the stages, the end-to-end gate (flow + HiFT from the same tokens) must pass as well; with
     `allow_fallback` the lower-precision of flow / HiFT (the flow on a tie) moves up one rung until it does.
     Graphs of rejected attempts are deleted from `work`. Another family passes its node-name `rules` and its
@@ -50,6 +52,13 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     gates = gates or Gates(gate_config, fp32)
     files: dict[tuple[str, str], Path] = {}
     calibration: dict[str, list] = {}
+    checked: dict[tuple, object] = {}   # (stage, precision, graph files) -> gates.StageReport
+
+    def check(stage: str, graphs: dict[str, Path], precision: str):
+        key = (stage, precision, tuple(sorted(graphs.items())))
+        if key not in checked:
+            checked[key] = gates.check(stage, graphs, precision)
+        return checked[key]
 
     def calibration_for(graph: str) -> list:
         if graph not in calibration:
@@ -89,7 +98,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
                 precision = ladder[rank]
                 if precision != "fp32":
                     graphs = {v.graph: path_of(v) for v in stage_variants(target, stage, precision)}
-                    result = gates.check(stage, graphs, precision)
+                    result = check(stage, graphs, precision)
                     gates.forget(p for g, p in graphs.items() if p != fp32[g])   # full-size sessions are large
                     gc.collect()
                     return_freed_memory()
@@ -115,7 +124,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
         e2e: list[dict] = []
         while stages["flow"] != "fp32" or stages["hift"] != "fp32":
             graphs = {v.graph: path_of(v) for s in ("flow", "hift") for v in stage_variants(target, s, stages[s])}
-            result = gates.check("e2e", graphs, f"flow {stages['flow']}, hift {stages['hift']}")
+            result = check("e2e", graphs, f"flow {stages['flow']}, hift {stages['hift']}")
             e2e.append(result.as_dict())
             log(f"{target} e2e {result.precision}: {result.metrics} {'pass' if result.passed else result.failures}")
             if result.passed:
@@ -136,7 +145,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
         config[target] = {
             "graphs": {v.graph: {"component": v.component, "precision": v.precision} for v in chosen},
             "stages": stages, "validated_with": "onnxruntime-cpu",
-            **({"llm_int8": cpu_llm_method} if target == "cpu" and stages["llm"] == "int8" else {}),
+            **({"llm_int8": cpu_llm_method} if target in CPU_TARGETS and stages["llm"] == "int8" else {}),
         }
         quality[target] = report
     for key in [k for k in files if k not in used]:   # graphs of attempts that missed their gate

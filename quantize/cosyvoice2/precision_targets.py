@@ -1,11 +1,14 @@
 """Precision targets of a `cosyvoice2` bundle: which transform each graph of each stage gets, per target.
 
-Three targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision targets"):
+Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision targets"):
 
 * `cpu` (ONNX Runtime CPU): LLM graphs with int8 weights (`CPU_LLM_METHOD`, chosen by measurement on the full-size
   graph: weight-only `MatMulNBits` 8-bit blocks); the flow estimator with dynamic int8 MatMuls (`CPU_FLOW_DYNAMIC`:
   int8 weights per channel, activations quantized per call, the CPU's integer dot-product kernels); the flow encoder and the HiFT source stay fp32; the HiFT decoder becomes int8 only where
   its gate passes.
+* `cpu-int4` (optional, ONNX Runtime CPU): the `cpu` target with 4-bit LLM weights (`MatMulNBits`, blocks of 32,
+  symmetric, int8 compute) under their own LLM gate thresholds (gates.PRECISION_THRESHOLDS), falling back to the
+  int8 LLM; its flow and HiFT graphs are the `cpu` target's (the same files when both targets are built).
 * `gpu-fp16`: every graph but the HiFT source in fp16 with fp32 islands (norms, softmax, residual stream, time
   embedding, exp / iSTFT) and fp32 graph inputs and outputs, so the runtime feeds the same arrays.
 * `trt-int8`: explicit symmetric QDQ for TensorRT (int8 weights per output channel, activations per tensor, zero
@@ -26,7 +29,7 @@ import numpy as np
 import onnx
 
 from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_weights_dynamic,
-                                                               int8_weights_nbits, name_matches, static_int8_qdq,
+                                                               name_matches, nbits_weights, static_int8_qdq,
                                                                to_fp16)
 
 CPU_LLM_METHOD = "matmul_nbits"   # measured faster than "dynamic" (MatMulInteger) per decode token at full size
@@ -108,7 +111,7 @@ def variant(target: str, graph: str, precision: str) -> Variant:
 
 def uncalibrated(graph: str, rules: GraphRules = CV2_RULES) -> bool:
     """Whether the cpu int8 graph of `graph` is quantized without calibration inputs (weights-only or dynamic)."""
-    return graph.startswith("llm_") or graph in rules.dynamic_int8
+    return graph in STAGE_GRAPHS["llm"] or graph in rules.dynamic_int8
 
 
 def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[str, np.ndarray]] | None,
@@ -117,10 +120,12 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
     exclude = rules.int8_exclude.get(v.graph, ())
     if v.precision == "fp16":
         return to_fp16(fp32, dst, fp32_island(v.graph, rules=rules))
+    if v.precision == "int4" and v.graph in STAGE_GRAPHS["llm"]:
+        return nbits_weights(fp32, dst, exclude, bits=4)
     if v.precision != "int8":
-        raise ValueError(f"no transform to {v.precision}")
-    if v.component == v.graph and v.graph.startswith("llm_"):
-        method = {"matmul_nbits": int8_weights_nbits, "dynamic": int8_weights_dynamic}[cpu_llm_method]
+        raise ValueError(f"no transform of {v.graph} to {v.precision}")
+    if v.component == v.graph and v.graph in STAGE_GRAPHS["llm"]:
+        method = {"matmul_nbits": nbits_weights, "dynamic": int8_weights_dynamic}[cpu_llm_method]
         return method(fp32, dst, exclude)
     if v.component == v.graph and v.graph in rules.dynamic_int8:
         return int8_weights_dynamic(fp32, dst, exclude)
@@ -137,19 +142,25 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
 # graphs of each stage that change precision (the others stay fp32).
 STAGE_GRAPHS = {"llm": ("llm_prefill", "llm_decode"), "flow": ("flow_encoder", "flow_estimator"),
                 "hift": ("hift_source", "hift_decoder")}
+_CPU_FLOW_HIFT = {"flow": ("int8", "fp32"), "hift": ("int8", "fp32")}   # shared by cpu and cpu-int4
 LADDERS: dict[str, dict[str, tuple[str, ...]]] = {
-    "cpu": {"llm": ("int8", "fp32"), "flow": ("int8", "fp32"), "hift": ("int8", "fp32")},
+    "cpu": {"llm": ("int8", "fp32"), **_CPU_FLOW_HIFT},
+    "cpu-int4": {"llm": ("int4", "int8", "fp32"), **_CPU_FLOW_HIFT},
     "gpu-fp16": {"llm": ("fp16", "fp32"), "flow": ("fp16", "fp32"), "hift": ("fp16", "fp32")},
     "trt-int8": {"llm": ("int8", "fp16", "fp32"), "flow": ("int8", "fp16", "fp32"), "hift": ("int8", "fp16", "fp32")},
 }
 # Graphs that stay fp32 although their stage is quantized (cost too small or precision-critical).
+_CPU_KEEP_FP32 = {"int8": frozenset({"flow_encoder", "hift_source"})}
 KEEP_FP32: dict[str, dict[str, frozenset[str]]] = {
-    "cpu": {"int8": frozenset({"flow_encoder", "hift_source"})},
+    "cpu": _CPU_KEEP_FP32,
+    "cpu-int4": _CPU_KEEP_FP32,
     "gpu-fp16": {"fp16": frozenset({"hift_source"})},
     "trt-int8": {"int8": frozenset({"hift_source"}), "fp16": frozenset({"hift_source"})},
 }
 # A stage of the cpu target that may silently stay fp32 when int8 misses the gate (HiFT: int8 only if it is fine).
-OPTIONAL_INT8 = {"cpu": frozenset({"hift"})}
+OPTIONAL_INT8 = {"cpu": frozenset({"hift"}), "cpu-int4": frozenset({"hift"})}
+# Targets whose int8 LLM is weight-only (`CPU_LLM_METHOD`, recorded as `llm_int8` in the manifest).
+CPU_TARGETS = ("cpu", "cpu-int4")
 # For trt-int8 the flow encoder is fp16 (it runs once per request; its int8 gain is small).
 INT8_AS_FP16 = {"trt-int8": frozenset({"flow_encoder"})}
 

@@ -1,4 +1,4 @@
-"""ONNX-to-ONNX precision transforms of the exported fp32 graphs: int8 weights, static int8 QDQ, fp16.
+"""ONNX-to-ONNX precision transforms of the exported fp32 graphs: 8- / 4-bit weights, static int8 QDQ, fp16.
 
 Policy-free on purpose: which nodes stay out of int8 (`exclude` patterns) or in fp32 (`keep_fp32`) is decided per
 graph and target by the caller (precision_targets.py), so one transform serves every graph. What holds for every
@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-NBITS_BLOCK = 32                  # K values per scale of the 8-bit MatMulNBits weights
+NBITS_BLOCK = 32                  # K values per scale of the MatMulNBits weights (8- and 4-bit)
 NBITS_ACCURACY_LEVEL = 4          # int8 activations inside MatMulNBits (VNNI / SDOT kernels)
 FP16_MAX = float(np.finfo(np.float16).max)
 # Op types that always compute in fp32 inside an fp16 graph (overflow / precision-critical).
@@ -53,18 +53,23 @@ def _quiet_root_logger():
         root.setLevel(level)
 
 
-# ------------------------------------------------------------------------------------------- int8 weights (cpu LLM)
+# -------------------------------------------------------------------------------- 8- / 4-bit weights (cpu LLM)
 
 def _initializers(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in graph.initializer}
 
 
-def int8_weights_nbits(src: Path, dst: Path, exclude: Sequence[str] = (), block: int = NBITS_BLOCK) -> Path:
-    """Every MatMul with a constant 2-D weight -> com.microsoft MatMulNBits with 8-bit symmetric block weights.
+def nbits_weights(src: Path, dst: Path, exclude: Sequence[str] = (), bits: int = 8, block: int = NBITS_BLOCK) -> Path:
+    """Every MatMul with a constant 2-D weight -> com.microsoft MatMulNBits with `bits`-bit (8 or 4) symmetric blocks.
 
-    Per output column n and block of `block` K values: scale = max|w| / 127, q = round(w / scale) + 128 (uint8,
-    zero point 128). Activations stay float (quantized per block inside the kernel at accuracy level 4).
+    Per output column n and block of `block` K values: scale = max|w| / qmax, q = round(w / scale) + zero with
+    qmax = 2^(bits-1) - 1 and zero = 2^(bits-1) (the kernel's default zero point, so none is stored): 127 / 128 for
+    8 bits, 7 / 8 for 4 bits, two 4-bit values per byte (low nibble first). Activations stay float (quantized per
+    block inside the kernel at accuracy level 4).
     """
+    if bits not in (4, 8) or block % 2:
+        raise ValueError(f"MatMulNBits weights need 4 or 8 bits and an even block, not {bits} / {block}")
+    qmax, zero = (1 << (bits - 1)) - 1, 1 << (bits - 1)
     model = onnx.load(str(src))
     graph = model.graph
     inits = _initializers(graph)
@@ -84,14 +89,16 @@ def int8_weights_nbits(src: Path, dst: Path, exclude: Sequence[str] = (), block:
         padded = np.zeros((blocks * block, n), np.float32)
         padded[:k] = w
         columns = padded.T.reshape(n, blocks, block)                         # [N, blocks, block]
-        scale = np.maximum(np.abs(columns).max(axis=2), 1e-12) / 127.0      # [N, blocks]
-        q = (np.clip(np.rint(columns / scale[:, :, None]), -127, 127) + 128).astype(np.uint8)
-        prefix = f"{weight.name}_nbits8"
+        scale = np.maximum(np.abs(columns).max(axis=2), 1e-12) / qmax       # [N, blocks]
+        q = (np.clip(np.rint(columns / scale[:, :, None]), -qmax, qmax) + zero).astype(np.uint8)
+        if bits == 4:
+            q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)                          # [N, blocks, block / 2]
+        prefix = f"{weight.name}_nbits{bits}"
         graph.initializer.extend([numpy_helper.from_array(q, f"{prefix}_q"),
                                   numpy_helper.from_array(scale.astype(np.float32).reshape(-1), f"{prefix}_scale")])
         nodes.append(helper.make_node("MatMulNBits", [node.input[0], f"{prefix}_q", f"{prefix}_scale"],
-                                      list(node.output), name=f"{node.name}_nbits8", domain="com.microsoft",
-                                      K=k, N=n, bits=8, block_size=block, accuracy_level=NBITS_ACCURACY_LEVEL))
+                                      list(node.output), name=f"{node.name}_nbits{bits}", domain="com.microsoft",
+                                      K=k, N=n, bits=bits, block_size=block, accuracy_level=NBITS_ACCURACY_LEVEL))
         users[weight.name] -= 1
         if users[weight.name] == 0:
             dropped.add(weight.name)
