@@ -33,6 +33,8 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
              if name not in ("campplus", "speech_tokenizer")}
     rng = np.random.default_rng(0)
     hidden = np.load(bundle.asset("llm_embedding"), mmap_mode="r").shape[1]
+    layers, _, heads, _, dim = next(i.shape for i in graph["llm"].get_inputs() if i.name == "past_key")
+    empty = np.zeros((layers, 1, heads, 0, dim), np.float32)  # the prefill: no cached positions
     frames = cfg["token_mel_ratio"] * tokens
     mel_bins = cfg["mel"]["n_mels"]
     timings: dict[str, list[float]] = {}
@@ -47,12 +49,13 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
         if round_index == 1:
             timings.clear()
         embeds = rng.standard_normal((1, prompt, hidden), dtype=np.float32) * 0.02
-        _, key, value = timed("llm_prefill", lambda: graph["llm_prefill"].run(
-            None, {"inputs_embeds": embeds, "attention_mask": np.ones((1, prompt), np.int64)}))
+        _, key, value = timed("llm_prefill", lambda: graph["llm"].run(None, {
+            "inputs_embeds": embeds, "past_key": empty, "past_value": empty,
+            "attention_mask": np.ones((1, prompt), np.int64), "position_ids": np.arange(prompt)[None]}))
         step = rng.standard_normal((1, 1, hidden), dtype=np.float32) * 0.02
         start = time.perf_counter()
         for i in range(tokens):
-            _, key, value = graph["llm_decode"].run(None, {
+            _, key, value = graph["llm"].run(None, {
                 "inputs_embeds": step, "past_key": key, "past_value": value,
                 "attention_mask": np.ones((1, prompt + i + 1), np.int64),
                 "position_ids": np.array([[prompt + i]], np.int64)})

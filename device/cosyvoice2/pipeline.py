@@ -43,7 +43,7 @@ from cosyedge.device.voice_store import check_voice_name
 MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
 DECODE_ROWS = 16  # rows one decode step may hold (requests beyond wait for a row to stop)
 FLOW_ROWS = 8  # rows of one padded flow batch
-STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+STAGES = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
 class CosyVoice2Pipeline(Pipeline):
@@ -67,9 +67,8 @@ class CosyVoice2Pipeline(Pipeline):
         self._sessions = {name: sessions.create(bundle.path(graphs[name].file)) for name in STAGES}
         s = self._sessions
         try:
-            self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
-                                bundle.asset("speech_embedding"), bundle.asset("llm_embedding"),
-                                self._decode_config(cfg))
+            self._lm = SpeechLM(s["llm"], bundle.asset("embed_tokens"), bundle.asset("speech_embedding"),
+                                bundle.asset("llm_embedding"), self._decode_config(cfg))
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS))
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)
             noise = np.load(bundle.asset("cfm_noise"))

@@ -41,8 +41,7 @@ CPU_FLOW_DYNAMIC = True
 # predictor / source of HiFT, the DFT-basis STFT / iSTFT convolutions (top-level `/Conv`, `/ConvTranspose*`) and
 # the log-magnitude projection before the exp.
 INT8_EXCLUDE: dict[str, tuple[str, ...]] = {
-    "llm_prefill": (r"^/llm_decoder/",),
-    "llm_decode": (r"^/llm_decoder/",),
+    "llm": (r"^/llm_decoder/",),
     "flow_encoder": (r"^/spk_embed_affine_layer/", r"^/encoder/embed/", r"^/encoder/up_embed/"),
     "flow_estimator": (r"/time_mlp/", r"/time_embeddings", r"/mlp/", r"^/estimator/final_proj/"),
     "hift_source": (r".",),
@@ -53,8 +52,7 @@ INT8_EXCLUDE: dict[str, tuple[str, ...]] = {
 # HiFT's Snake reciprocal and the iSTFT tail.
 TOP_LEVEL = r"^/[A-Za-z]+(_\d+)?$"    # graph-level glue: masks, positions, rotary tables, output picks
 FP32_NAMES: dict[str, tuple[str, ...]] = {
-    "llm_prefill": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
-    "llm_decode": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
+    "llm": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
     "flow_encoder": (TOP_LEVEL, r"norm", r"^/encoder/embed/", r"^/encoder/up_embed/", r"^/spk_embed_affine_layer/",
                      r"^/encoder/[A-Za-z]+(_\d+)?$"),
     "flow_estimator": (TOP_LEVEL, r"norm", r"/time_mlp/", r"/time_embeddings", r"^/estimator/[A-Za-z]+(_\d+)?$",
@@ -108,7 +106,7 @@ def variant(target: str, graph: str, precision: str) -> Variant:
 
 def uncalibrated(graph: str, rules: GraphRules = CV2_RULES) -> bool:
     """Whether the cpu int8 graph of `graph` is quantized without calibration inputs (weights-only or dynamic)."""
-    return graph.startswith("llm_") or graph in rules.dynamic_int8
+    return graph in STAGE_GRAPHS["llm"] or graph in rules.dynamic_int8
 
 
 def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[str, np.ndarray]] | None,
@@ -119,7 +117,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
         return to_fp16(fp32, dst, fp32_island(v.graph, rules=rules))
     if v.precision != "int8":
         raise ValueError(f"no transform to {v.precision}")
-    if v.component == v.graph and v.graph.startswith("llm_"):
+    if v.component == v.graph and v.graph in STAGE_GRAPHS["llm"]:
         method = {"matmul_nbits": int8_weights_nbits, "dynamic": int8_weights_dynamic}[cpu_llm_method]
         return method(fp32, dst, exclude)
     if v.component == v.graph and v.graph in rules.dynamic_int8:
@@ -135,7 +133,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
 
 # Per target: the precision ladder of each stage, tried in order (the last one is the safe fallback), and the
 # graphs of each stage that change precision (the others stay fp32).
-STAGE_GRAPHS = {"llm": ("llm_prefill", "llm_decode"), "flow": ("flow_encoder", "flow_estimator"),
+STAGE_GRAPHS = {"llm": ("llm",), "flow": ("flow_encoder", "flow_estimator"),
                 "hift": ("hift_source", "hift_decoder")}
 LADDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "cpu": {"llm": ("int8", "fp32"), "flow": ("int8", "fp32"), "hift": ("int8", "fp32")},
