@@ -19,6 +19,7 @@ import numpy as np
 from cosyedge.device.bench.clocks import peak_rss_mb
 from cosyedge.device.bench.ops import gemm_ceiling, profiled_macs
 from cosyedge.device.bundle import Bundle
+from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
 from cosyedge.device.sessions import SessionConfig
 
 
@@ -33,8 +34,6 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
              if name not in ("campplus", "speech_tokenizer")}
     rng = np.random.default_rng(0)
     hidden = np.load(bundle.asset("llm_embedding"), mmap_mode="r").shape[1]
-    layers, _, heads, _, dim = next(i.shape for i in graph["llm"].get_inputs() if i.name == "past_key")
-    empty = np.zeros((layers, 1, heads, 0, dim), np.float32)  # the prefill: no cached positions
     frames = cfg["token_mel_ratio"] * tokens
     mel_bins = cfg["mel"]["n_mels"]
     timings: dict[str, list[float]] = {}
@@ -49,9 +48,8 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
         if round_index == 1:
             timings.clear()
         embeds = rng.standard_normal((1, prompt, hidden), dtype=np.float32) * 0.02
-        _, key, value = timed("llm_prefill", lambda: graph["llm"].run(None, {
-            "inputs_embeds": embeds, "past_key": empty, "past_value": empty,
-            "attention_mask": np.ones((1, prompt), np.int64), "position_ids": np.arange(prompt)[None]}))
+        _, key, value = timed("llm_prefill", lambda: graph["llm"].run(
+            None, prefill_feeds(embeds, np.ones((1, prompt), np.int64), cache_dims(graph["llm"]))))
         step = rng.standard_normal((1, 1, hidden), dtype=np.float32) * 0.02
         start = time.perf_counter()
         for i in range(tokens):

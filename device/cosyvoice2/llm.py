@@ -69,10 +69,19 @@ def _device(session: ort.InferenceSession) -> str:
     return "cuda" if session.get_providers()[0] in _GPU_PROVIDERS else "cpu"
 
 
-def _cache_dims(session: ort.InferenceSession) -> tuple[int, int, int]:
-    """(NL, KV, D): the static dimensions of the graph's `past_key` input [NL, B, KV, P, D]."""
+def cache_dims(session: ort.InferenceSession) -> tuple[int, int, int]:
+    """(NL, KV, D): the static dimensions of the `llm` graph's `past_key` input [NL, B, KV, P, D]."""
     shape = next(i.shape for i in session.get_inputs() if i.name == "past_key")
     return int(shape[0]), int(shape[2]), int(shape[4])
+
+
+def prefill_feeds(embeds: np.ndarray, mask: np.ndarray, dims: tuple[int, int, int]) -> dict[str, np.ndarray]:
+    """Feeds of the `llm` graph's prefill call over embeds [B, L, H] with mask [B, L]: empty caches (P = 0) and
+    positions cumsum(mask) - 1 clamped at 0 (a left-padded row starts at 0 on its first real position)."""
+    layers, heads, dim = dims
+    empty = np.zeros((layers, embeds.shape[0], heads, 0, dim), np.float32)
+    return {"inputs_embeds": embeds, "past_key": empty, "past_value": empty, "attention_mask": mask,
+            "position_ids": np.maximum(mask.cumsum(axis=1) - 1, 0)}
 
 
 class SpeechLM:
@@ -81,7 +90,7 @@ class SpeechLM:
     def __init__(self, llm: ort.InferenceSession, embed_tokens: Path, speech_embedding: Path, llm_embedding: Path,
                  config: DecodeConfig) -> None:
         self._llm = llm
-        self._cache_dims = _cache_dims(llm)
+        self._cache_dims = cache_dims(llm)
         self._embed_tokens = np.load(embed_tokens, mmap_mode="r")  # 544 MB at full size: rows read on demand
         self._speech_embedding = np.load(speech_embedding)
         self._llm_embedding = np.load(llm_embedding)
@@ -166,11 +175,7 @@ class SpeechLM:
         for row, x in enumerate(lm_inputs):
             embeds[row, width - x.shape[1]:] = x[0]
         mask = (np.arange(width)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
-        layers, heads, dim = self._cache_dims
-        empty = np.zeros((layers, len(lm_inputs), heads, 0, dim), np.float32)
-        positions = np.maximum(mask.cumsum(axis=1) - 1, 0)
-        logits, key, value = self._run({"inputs_embeds": embeds, "past_key": empty, "past_value": empty,
-                                        "attention_mask": mask, "position_ids": positions})
+        logits, key, value = self._run(prefill_feeds(embeds, mask, self._cache_dims))
         return logits, KVCache(key, value, lengths)
 
     def decode(self, tokens: np.ndarray, cache: "KVCache") -> tuple[np.ndarray, "KVCache"]:

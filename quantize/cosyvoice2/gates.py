@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 import numpy as np
 import onnxruntime as ort
 
+from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
 from cosyedge.device.quality import mel_cepstral_distortion, snr_db
 
 # What "still sounds like fp32" means per stage. LLM: mean KL(fp32 || quantized) of the speech-token distribution
@@ -157,11 +158,7 @@ class Gates:
         with `tokens` (teacher forcing); with `sample`, the tokens are drawn from these logits as they come."""
         c = self.config
         length = lm_input.shape[1]
-        layers, _, heads, _, dim = self.cache_shape(graphs)
-        empty = np.zeros((layers, 1, heads, 0, dim), np.float32)
-        feeds = {"inputs_embeds": lm_input, "past_key": empty, "past_value": empty,
-                 "attention_mask": np.ones((1, length), np.int64),
-                 "position_ids": np.arange(length, dtype=np.int64)[None]}
+        feeds = prefill_feeds(lm_input, np.ones((1, length), np.int64), cache_dims(self._session(graphs["llm"])))
         out = []
         for i in range(steps + 1):
             if record:
@@ -181,10 +178,6 @@ class Gates:
                      "attention_mask": np.ones((1, length + i + 1), np.int64),
                      "position_ids": np.array([[length + i]], np.int64)}
         return np.concatenate(out)
-
-    def cache_shape(self, graphs: dict[str, Path]) -> list:
-        """[NL, B, KV, P, D] of the `llm` graph's past_key input (B and P symbolic)."""
-        return next(i.shape for i in self._session(graphs["llm"]).get_inputs() if i.name == "past_key")
 
     def llm(self, graphs: dict[str, Path], precision: str) -> StageReport:
         if "llm" not in self._reference:
