@@ -122,7 +122,7 @@ def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
         for graph, ref in _quantized(target).items():   # the files themselves are quantized
             model = onnx.load(str(bundle.path(bundle.component(ref["component"], "int8").file)))
             ops = {n.op_type for n in model.graph.node}
-            if target == "cpu" and graph.startswith("llm_"):
+            if target == "cpu" and graph == "llm":
                 assert "MatMulNBits" in ops, (target, graph)
             elif target == "cpu" and graph == "flow_estimator":  # dynamic int8: the CPU's integer kernels
                 assert {"MatMulInteger", "DynamicQuantizeLinear"} <= ops, (target, graph)
@@ -132,8 +132,8 @@ def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
                 assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)
             if target == "trt-int8":
                 assert {o.domain for o in model.opset_import} <= {"", "ai.onnx"}, graph   # TensorRT: standard ops
-    assert set(_quantized("cpu")) == {"llm_prefill", "llm_decode", "flow_estimator", "hift_decoder"}
-    assert set(_quantized("trt-int8")) == {"llm_prefill", "llm_decode", "flow_estimator", "hift_decoder"}
+    assert set(_quantized("cpu")) == {"llm", "flow_estimator", "hift_decoder"}
+    assert set(_quantized("trt-int8")) == {"llm", "flow_estimator", "hift_decoder"}
 
 
 def _margins(bundle: Bundle, segment_ids: tuple[int, ...], tokens: list[int]) -> np.ndarray:
@@ -141,7 +141,7 @@ def _margins(bundle: Bundle, segment_ids: tuple[int, ...], tokens: list[int]) ->
     graphs by the gate code, from an LLM input built here from the bundle's tables and the voice's prompt."""
     cfg = bundle.manifest.config
     gate_config = GateConfig.from_bundle(bundle)
-    fp32 = {g: bundle.path(bundle.component(g, "fp32").file) for g in ("llm_prefill", "llm_decode")}
+    fp32 = {"llm": bundle.path(bundle.component("llm", "fp32").file)}
     with np.load(bundle.asset(f"voice:{VOICE}")) as voice:
         prompt_text, prompt_speech = voice["prompt_text_ids"], voice["llm_prompt_speech_token"]
     ids = np.concatenate([prompt_text, np.asarray(segment_ids, np.int64)])

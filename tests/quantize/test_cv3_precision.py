@@ -28,7 +28,7 @@ from cosyedge.quantize.cosyvoice2.precision_targets import CV2_RULES, fp32_islan
 from cosyedge.quantize.cosyvoice2.precision_transforms import to_fp16
 from cosyedge.quantize.cosyvoice3.precision import CV3_RULES
 
-GRAPHS = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+GRAPHS = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 TEXT = "收到好友从远方寄来的生日礼物。"
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
 
