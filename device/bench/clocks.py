@@ -111,18 +111,18 @@ class LLMTimedSession(TimedSession):
         super().__init__(session, "llm_decode", clock)
 
     @staticmethod
-    def _stage(past: int) -> str:
+    def _call_kind(past: int) -> str:
         return "llm_prefill" if past == 0 else "llm_decode"
 
     def run(self, output_names: Any, feeds: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         past = int(feeds["past_key"].shape[3])
-        return self._timed(self._stage(past), self._session.run, output_names, feeds, *args, **kwargs)
+        return self._timed(self._call_kind(past), self._session.run, output_names, feeds, *args, **kwargs)
 
     def io_binding(self) -> _CacheBinding:
         return _CacheBinding(self._session.io_binding())
 
     def run_with_iobinding(self, binding: _CacheBinding, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self._stage(binding.past), self._session.run_with_iobinding, binding.binding,
+        return self._timed(self._call_kind(binding.past), self._session.run_with_iobinding, binding.binding,
                            *args, **kwargs)
 
 
