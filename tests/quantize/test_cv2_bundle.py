@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from cosyedge.device.bundle import Bundle
+from cosyedge.device.engine import Engine
 from cosyedge.device.errors import ReleaseError
+from cosyedge.device.sessions import SessionConfig, create_session
 from cosyedge.quantize.cosyvoice2.bundle import write_bundle
 from cosyedge.quantize.cosyvoice2.random_init import _sized_yaml, PRESETS
 from cosyedge.quantize.cosyvoice2.release import read_yaml
@@ -50,6 +52,16 @@ def test_cli_builds_a_valid_bundle(tiny_release, tmp_path):
     llm = bundle.component("llm", "fp32")   # one LLM graph for prefill and decode
     assert [t.name for t in llm.inputs] == ["inputs_embeds", "past_key", "past_value", "attention_mask",
                                             "position_ids"]
+    created: list[str] = []
+
+    def factory(path: Path, config: SessionConfig):
+        created.append(path.name)
+        return create_session(path, config)
+
+    sessions = SessionConfig(providers=("cpu",), intra_op_threads=1, session_factory=factory)
+    engine = Engine.load(out, precision="fp32", sessions=sessions, warmup=False)
+    assert [name for name in created if name.startswith("llm")] == ["llm.fp32.onnx"]   # ONE session, both call kinds
+    assert engine.pipeline.describe()["precision"]["llm"] == "fp32"
     noise = np.load(bundle.asset("cfm_noise"))
     assert noise.shape == (1, 80, 15000) and abs(float(noise.sum()) - -1291.2014) < 1e-2
     zh = np.load(bundle.asset("voice:tiny_spk_zh"))

@@ -184,6 +184,7 @@ def test_runtime_loads_and_runs_the_quantized_graphs(bundle, reference, target, 
     files = {g: bundle.path(bundle.component(ref["component"], ref["precision"]).file).resolve()
              for g, ref in graphs.items()}
     assert set(files.values()) <= set(opened), sorted(p.name for p in opened)
+    assert [p.name for p in opened if p.name.removeprefix("trt_").startswith("llm.")] == [files["llm"].name]  # one
     for graph in _quantized(target):
         assert bundle.path(bundle.component(graph, "fp32").file).resolve() not in opened, graph
     assert engine.pipeline.describe()["precision"] == {g: ref["precision"] for g, ref in graphs.items()}
