@@ -54,8 +54,8 @@ class ModelSizes:
 
 
 # CosyVoice2-0.5B, target trt-int8 (docs/bundle_cosyvoice2.md): LLM 494.0 M body in int8 + fp32 speech head
-# (6564 x 896), once (one graph for prefill and decode); flow encoder 37.8 M fp16, estimator 71.3 M int8, rest 3.4 M fp16;
-# HiFT 20.8 M, about 1 byte per weight (int8 decoder, fp32 source).
+# (6564 x 896), once (one graph for prefill and decode); flow encoder 37.8 M fp16, estimator 71.3 M int8, rest
+# 3.4 M fp16; HiFT 20.8 M, about 1 byte per weight (int8 decoder, fp32 source).
 FULL_SIZE = ModelSizes("CosyVoice2-0.5B (trt-int8)",
                        {"llm": 494_000_000 + 6564 * 896 * FP32, "flow": 37_800_000 * FP16 + 71_300_000
                         + 3_400_000 * FP16, "hift": 20_800_000}, layers=24, hidden=896, kv_heads=2, head_dim=64,
