@@ -11,10 +11,11 @@ from typing import Any, Callable, Iterator
 
 from cosyedge.device.sessions import SessionConfig, create_session
 
+# Stages are timed by call kind: the one `llm` graph's calls count as llm_prefill when their cache is empty
+# (P = 0), as llm_decode otherwise (LLMTimedSession), so the decode time per token stays measurable.
 STAGES = ("frontend", "llm_prefill", "llm_decode", "flow", "hift")
 # ORT graph -> the stage its calls count towards (flow = encoder + estimator, hift = source + decoder)
-GRAPH_STAGE = {"llm_prefill": "llm_prefill", "llm_decode": "llm_decode", "flow_encoder": "flow",
-               "flow_estimator": "flow", "hift_source": "hift", "hift_decoder": "hift"}
+GRAPH_STAGE = {"flow_encoder": "flow", "flow_estimator": "flow", "hift_source": "hift", "hift_decoder": "hift"}
 
 SessionFactory = Callable[[Path, SessionConfig], Any]
 
@@ -67,33 +68,79 @@ class TimedSession:
         self._clock = clock
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
-        with self._clock.timed(self._stage):
-            out = self._session.run(*args, **kwargs)
-        self._clock.note_rss(self._stage)
-        return out
+        return self._timed(self._stage, self._session.run, *args, **kwargs)
 
     def run_with_iobinding(self, *args: Any, **kwargs: Any) -> Any:
-        with self._clock.timed(self._stage):
-            out = self._session.run_with_iobinding(*args, **kwargs)
-        self._clock.note_rss(self._stage)
+        return self._timed(self._stage, self._session.run_with_iobinding, *args, **kwargs)
+
+    def _timed(self, stage: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with self._clock.timed(stage):
+            out = call(*args, **kwargs)
+        self._clock.note_rss(stage)
         return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
 
 
+class _CacheBinding:
+    """An IOBinding that remembers the cached length P of the `past_key` bound to it (0: a prefill call)."""
+
+    def __init__(self, binding: Any) -> None:
+        self.binding = binding
+        self.past = 0
+
+    def bind_cpu_input(self, name: str, array: Any) -> None:
+        if name == "past_key":
+            self.past = int(array.shape[3])
+        self.binding.bind_cpu_input(name, array)
+
+    def bind_ortvalue_input(self, name: str, value: Any) -> None:
+        if name == "past_key":
+            self.past = int(value.shape()[3])
+        self.binding.bind_ortvalue_input(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.binding, name)
+
+
+class LLMTimedSession(TimedSession):
+    """The `llm` graph: a call with an empty cache counts towards llm_prefill, any other towards llm_decode."""
+
+    def __init__(self, session: Any, clock: StageClock) -> None:
+        super().__init__(session, "llm_decode", clock)
+
+    @staticmethod
+    def _call_kind(past: int) -> str:
+        return "llm_prefill" if past == 0 else "llm_decode"
+
+    def run(self, output_names: Any, feeds: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        past = int(feeds["past_key"].shape[3])
+        return self._timed(self._call_kind(past), self._session.run, output_names, feeds, *args, **kwargs)
+
+    def io_binding(self) -> _CacheBinding:
+        return _CacheBinding(self._session.io_binding())
+
+    def run_with_iobinding(self, binding: _CacheBinding, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(self._call_kind(binding.past), self._session.run_with_iobinding, binding.binding,
+                           *args, **kwargs)
+
+
 def graph_name(path: Path) -> str:
-    """`llm_decode.int8.onnx` -> `llm_decode`; trt-int8 QDQ graphs are named `trt_<graph>`."""
+    """`flow_estimator.int8.onnx` -> `flow_estimator`; trt-int8 QDQ graphs are named `trt_<graph>`."""
     return Path(path).name.split(".")[0].removeprefix("trt_")
 
 
 def timing_factory(clock: StageClock, create: SessionFactory = create_session) -> SessionFactory:
     """A `SessionConfig.session_factory` that makes sessions with `create` and times the stage graphs on `clock`
-    (graphs outside `GRAPH_STAGE`, e.g. CAM++, are returned as made)."""
+    (the `llm` graph by call kind; graphs outside `GRAPH_STAGE`, e.g. CAM++, are returned as made)."""
 
     def factory(path: Path, config: SessionConfig) -> Any:
         session = create(path, config)
-        stage = GRAPH_STAGE.get(graph_name(path))
+        name = graph_name(path)
+        if name == "llm":
+            return LLMTimedSession(session, clock)
+        stage = GRAPH_STAGE.get(name)
         return TimedSession(session, stage, clock) if stage else session
 
     return factory

@@ -12,7 +12,8 @@ round-robin to fill the last batch); the c requests of a batch start together on
 * first_chunk_s_p50/p95: request start (text in) to its first audio chunk (streaming runs; null otherwise);
 * throughput_audio_s_per_s: audio seconds / wall seconds of the batches;
 * stage_s: seconds per stage summed over every request (frontend, llm_prefill, llm_decode, flow, hift); on the
-  device they are the wall time of the stage's ORT graph calls, timed by the session factory the worker injects;
+  device they are the wall time of the stage's ORT graph calls, timed by the session factory the worker injects
+  (the one `llm` graph by call kind: empty cache = llm_prefill, else llm_decode; clocks.py);
   llm_ms_per_token = llm_decode / decode steps;
 * peak_rss_mb: the worker's peak resident set during the configuration (the models stay resident);
   stage_rss_mb: per stage, the largest resident set seen right after one of its graph calls.

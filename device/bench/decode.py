@@ -2,7 +2,7 @@
 
 `python -m cosyedge.device.bench.decode BUNDLE [--rows 1 4 8] [--tokens 40] [--providers cpu] [--threads 0]`
 
-Only the two LLM graphs are loaded (one `SpeechLM`, one scheduler), so the full-size bundle fits beside other work.
+Only the LLM graph is loaded (one `SpeechLM`, one scheduler), so the full-size bundle fits beside other work.
 Every request has a zero-shot-sized prompt (a bundle voice's prompt text and speech tokens plus a 20-token text)
 and its length pinned (random-weight releases never stop sensibly); N requests are submitted at once from N
 threads and the wall time until the last token is taken. Tokens/s counts every generated token (the first comes
@@ -29,9 +29,8 @@ from cosyedge.device.sessions import SessionConfig
 def load(bundle_path: Path, sessions: SessionConfig) -> tuple[SpeechLM, Voice]:
     bundle = Bundle.load(bundle_path, precision="fp32")
     cfg = bundle.manifest.config
-    prefill, decode = (sessions.create(bundle.path(bundle.component(name, "fp32").file))
-                       for name in ("llm_prefill", "llm_decode"))
-    lm = SpeechLM(prefill, decode, bundle.asset("embed_tokens"), bundle.asset("speech_embedding"),
+    llm = sessions.create(bundle.path(bundle.component("llm", "fp32").file))
+    lm = SpeechLM(llm, bundle.asset("embed_tokens"), bundle.asset("speech_embedding"),
                   bundle.asset("llm_embedding"), DecodeConfig.from_config(cfg))
     name = bundle.manifest.voices[0]
     return lm, Voice.load(name, bundle.asset(f"voice:{name}"))

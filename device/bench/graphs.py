@@ -19,6 +19,7 @@ import numpy as np
 from cosyedge.device.bench.clocks import peak_rss_mb
 from cosyedge.device.bench.ops import gemm_ceiling, profiled_macs
 from cosyedge.device.bundle import Bundle
+from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
 from cosyedge.device.sessions import SessionConfig
 
 
@@ -47,12 +48,12 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
         if round_index == 1:
             timings.clear()
         embeds = rng.standard_normal((1, prompt, hidden), dtype=np.float32) * 0.02
-        _, key, value = timed("llm_prefill", lambda: graph["llm_prefill"].run(
-            None, {"inputs_embeds": embeds, "attention_mask": np.ones((1, prompt), np.int64)}))
+        _, key, value = timed("llm_prefill", lambda: graph["llm"].run(
+            None, prefill_feeds(embeds, np.ones((1, prompt), np.int64), cache_dims(graph["llm"]))))
         step = rng.standard_normal((1, 1, hidden), dtype=np.float32) * 0.02
         start = time.perf_counter()
         for i in range(tokens):
-            _, key, value = graph["llm_decode"].run(None, {
+            _, key, value = graph["llm"].run(None, {
                 "inputs_embeds": step, "past_key": key, "past_value": value,
                 "attention_mask": np.ones((1, prompt + i + 1), np.int64),
                 "position_ids": np.array([[prompt + i]], np.int64)})

@@ -1,8 +1,9 @@
 """CosyVoice2 LLM on ONNX Runtime: lm_input assembly from the bundle's embedding tables and KV-cache decoding.
 
-Graph signatures: quantize/cosyvoice2/llm_export.py. The KV cache never round-trips through numpy: the prefill's
-`present_*` outputs stay ORT values (on the session's device) and are bound as the next step's `past_*` inputs;
-only the logits [B, V] are copied out for sampling.
+Graph signature: quantize/cosyvoice2/llm_export.py. One `llm` session serves both call kinds (one copy of the
+weights): the prefill feeds empty caches (P = 0), each decode step one new position. The KV cache never
+round-trips through numpy: the `present_*` outputs stay ORT values (on the session's device) and are bound as the
+next call's `past_*` inputs; only the logits [B, V] are copied out for sampling.
 
 Batched cache layout (`KVCache`): rows are right-aligned, so row r's real positions fill the last `lengths[r]`
 slots of the P slots and the attention mask is derived from the lengths. A left-padded prefill produces that
@@ -68,22 +69,37 @@ def _device(session: ort.InferenceSession) -> str:
     return "cuda" if session.get_providers()[0] in _GPU_PROVIDERS else "cpu"
 
 
-class SpeechLM:
-    """The `llm_prefill` / `llm_decode` pair with the embedding tables the runtime gathers from."""
+def cache_dims(session: ort.InferenceSession) -> tuple[int, int, int]:
+    """(NL, KV, D): the static dimensions of the `llm` graph's `past_key` input [NL, B, KV, P, D]."""
+    shape = next(i.shape for i in session.get_inputs() if i.name == "past_key")
+    return int(shape[0]), int(shape[2]), int(shape[4])
 
-    def __init__(self, prefill: ort.InferenceSession, decode: ort.InferenceSession, embed_tokens: Path,
-                 speech_embedding: Path, llm_embedding: Path, config: DecodeConfig) -> None:
-        self._prefill = prefill
-        self._decode = decode
+
+def prefill_feeds(embeds: np.ndarray, mask: np.ndarray, dims: tuple[int, int, int]) -> dict[str, np.ndarray]:
+    """Feeds of the `llm` graph's prefill call over embeds [B, L, H] with mask [B, L]: empty caches (P = 0) and
+    positions cumsum(mask) - 1 clamped at 0 (a left-padded row starts at 0 on its first real position)."""
+    layers, heads, dim = dims
+    empty = np.zeros((layers, embeds.shape[0], heads, 0, dim), np.float32)
+    return {"inputs_embeds": embeds, "past_key": empty, "past_value": empty, "attention_mask": mask,
+            "position_ids": np.maximum(mask.cumsum(axis=1) - 1, 0)}
+
+
+class SpeechLM:
+    """The `llm` graph (prefill and decode) with the embedding tables the runtime gathers from."""
+
+    def __init__(self, llm: ort.InferenceSession, embed_tokens: Path, speech_embedding: Path, llm_embedding: Path,
+                 config: DecodeConfig) -> None:
+        self._llm = llm
+        self._cache_dims = cache_dims(llm)
         self._embed_tokens = np.load(embed_tokens, mmap_mode="r")  # 544 MB at full size: rows read on demand
         self._speech_embedding = np.load(speech_embedding)
         self._llm_embedding = np.load(llm_embedding)
         self.config = config
-        self._kv_device = _device(decode)
+        self._kv_device = _device(llm)
 
     @property
     def provider(self) -> str:
-        return self._decode.get_providers()[0]
+        return self._llm.get_providers()[0]
 
     @property
     def hidden_size(self) -> int:
@@ -159,14 +175,14 @@ class SpeechLM:
         for row, x in enumerate(lm_inputs):
             embeds[row, width - x.shape[1]:] = x[0]
         mask = (np.arange(width)[None, :] >= (width - lengths)[:, None]).astype(np.int64)
-        logits, key, value = self._run(self._prefill, {"inputs_embeds": embeds, "attention_mask": mask})
+        logits, key, value = self._run(prefill_feeds(embeds, mask, self._cache_dims))
         return logits, KVCache(key, value, lengths)
 
     def decode(self, tokens: np.ndarray, cache: "KVCache") -> tuple[np.ndarray, "KVCache"]:
         """One decode step: token r [B] goes to row r at its own next position; logits [B, V] and the longer cache."""
         width = cache.width
         mask = (np.arange(width + 1)[None, :] >= (width - cache.lengths)[:, None]).astype(np.int64)
-        logits, key, value = self._run(self._decode, {
+        logits, key, value = self._run({
             "inputs_embeds": self._speech_embedding[np.asarray(tokens, np.int64)][:, None],
             "attention_mask": mask, "position_ids": cache.lengths[:, None]}, cache.key, cache.value)
         return logits, KVCache(key, value, cache.lengths + 1)
@@ -191,9 +207,11 @@ class SpeechLM:
             merged.append(ort.OrtValue.ortvalue_from_numpy(out, self._kv_device, 0))
         return KVCache(merged[0], merged[1], lengths)
 
-    def _run(self, session: ort.InferenceSession, feeds: dict[str, np.ndarray], past_key: ort.OrtValue | None = None,
+    def _run(self, feeds: dict[str, np.ndarray], past_key: ort.OrtValue | None = None,
              past_value: ort.OrtValue | None = None) -> tuple[np.ndarray, ort.OrtValue, ort.OrtValue]:
-        """One graph call with IO binding: the cache stays an ORT value on the session's device; logits [B, V]."""
+        """One graph call with IO binding: the cache stays an ORT value on the session's device (the prefill's
+        empty caches come in `feeds`); logits [B, V]."""
+        session = self._llm
         binding = session.io_binding()
         arrays = {name: np.ascontiguousarray(array) for name, array in feeds.items()}  # alive until the run
         for name, array in arrays.items():

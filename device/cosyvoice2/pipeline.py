@@ -43,7 +43,7 @@ from cosyedge.device.voice_store import check_voice_name
 MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
 DECODE_ROWS = 16  # rows one decode step may hold (requests beyond wait for a row to stop)
 FLOW_ROWS = 8  # rows of one padded flow batch
-STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+STAGES = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
 class CosyVoice2Pipeline(Pipeline):
@@ -68,9 +68,8 @@ class CosyVoice2Pipeline(Pipeline):
         s = self._sessions
         self._chunk_gate = ChunkGate()  # concurrent streams' chunk work, first chunks first (decode waits for them)
         try:
-            self._lm = SpeechLM(s["llm_prefill"], s["llm_decode"], bundle.asset("embed_tokens"),
-                                bundle.asset("speech_embedding"), bundle.asset("llm_embedding"),
-                                self._decode_config(cfg))
+            self._lm = SpeechLM(s["llm"], bundle.asset("embed_tokens"), bundle.asset("speech_embedding"),
+                                bundle.asset("llm_embedding"), self._decode_config(cfg))
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS),
                                             before_step=self._chunk_gate.wait_first_chunks)
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)

@@ -5,7 +5,7 @@ count the largest tensors of one layer at the max shapes in fp16 (TensorRT reuse
 layers) and the attention scores, which grow with length squared and dominate the flow; the KV cache is float32
 (graph I/O stays float32 for every precision), past and present both alive during a decode step, at the longest
 prompt plus the most speech tokens the flow accepts. Weights are the graph files' sizes (or parameter counts x bytes for the full model).
-Note: llm_prefill and llm_decode each carry a copy of the LLM weights, so two engines hold them twice.
+The LLM is one graph (one engine, one copy of its weights) for the prefill and every decode step.
 """
 from __future__ import annotations
 
@@ -47,17 +47,17 @@ class ModelSizes:
             stage = name.split("_")[0]
             if stage in weights:
                 weights[stage] += bundle.path(component.file).stat().st_size
-        past = {s.name: s.shape for s in graphs["llm_decode"].inputs}["past_key"]
-        hidden = {s.name: s.shape for s in graphs["llm_prefill"].inputs}["inputs_embeds"][2]
+        inputs = {s.name: s.shape for s in graphs["llm"].inputs}
+        past, hidden = inputs["past_key"], inputs["inputs_embeds"][2]
         return cls(f"{bundle.root.name} ({selection})", weights, int(past[0]), int(hidden), int(past[2]),
                    int(past[4]), dict(bundle.manifest.config))
 
 
 # CosyVoice2-0.5B, target trt-int8 (docs/bundle_cosyvoice2.md): LLM 494.0 M body in int8 + fp32 speech head
-# (6564 x 896), twice (prefill and decode); flow encoder 37.8 M fp16, estimator 71.3 M int8, rest 3.4 M fp16;
-# HiFT 20.8 M, about 1 byte per weight (int8 decoder, fp32 source).
+# (6564 x 896), once (one graph for prefill and decode); flow encoder 37.8 M fp16, estimator 71.3 M int8, rest
+# 3.4 M fp16; HiFT 20.8 M, about 1 byte per weight (int8 decoder, fp32 source).
 FULL_SIZE = ModelSizes("CosyVoice2-0.5B (trt-int8)",
-                       {"llm": 2 * (494_000_000 + 6564 * 896 * FP32), "flow": 37_800_000 * FP16 + 71_300_000
+                       {"llm": 494_000_000 + 6564 * 896 * FP32, "flow": 37_800_000 * FP16 + 71_300_000
                         + 3_400_000 * FP16, "hift": 20_800_000}, layers=24, hidden=896, kv_heads=2, head_dim=64,
                        config={"token_mel_ratio": 2, "pre_lookahead_len": 3, "hift_upsample": 480,
                                "mel": {"sample_rate": 24000, "hop": 480}, "max_prompt_seconds": 30,

@@ -4,9 +4,11 @@ Derived at load time from the manifest (graph signatures with symbolic dims, `ma
 profile, not written into the manifest at quantize time: the same bundle serves an Orin Nano and an AGX Orin with
 different limits, the service config may lower them, and the bundle stays hashed and unchanged (docs/jetson.md).
 
-Each graph gets exactly one profile, so one engine serves every call: the LLM prefill and decode are separate
-graphs (their own profiles), and the decode profile spans every cache length a request can reach, so the growing
-cache never leaves it (without profiles the provider rebuilds an engine whenever a shape leaves what it has seen).
+Each graph gets exactly one profile, so one engine serves every call: the one LLM graph's profile spans the
+prefill (new positions up to the longest prompt, empty cache: past = 0) and every decode step (one new position,
+every cache length a request can reach), so the growing cache never leaves it (without profiles the provider
+rebuilds an engine whenever a shape leaves what it has seen). Its opt point is a decode step, the call that
+dominates the LLM's time.
 """
 from __future__ import annotations
 
@@ -97,8 +99,8 @@ def _cosyvoice2_ranges(c: dict[str, Any], d: DeviceProfile) -> dict[str, dict[st
     hift = {"B": (1, 1, 1), "T": _clamp(200, 1, b.hift_frames),
             "TU": _clamp(200 * b.upsample, b.upsample, b.hift_frames * b.upsample)}
     return {
-        "llm_prefill": {"batch": (1, 1, rows), "length": _clamp(256, 1, b.prefill)},
-        "llm_decode": {"batch": (1, 1, rows), "past": _clamp(512, 1, b.cache), "total": _clamp(513, 2, b.cache + 1)},
+        "llm": {"batch": (1, 1, rows), "length": (1, 1, b.prefill), "past": _clamp(512, 0, b.cache),
+                "total": _clamp(513, 1, b.cache + 1)},
         "flow_encoder": {"tokens": _clamp(256, 1, b.budget + b.lookahead)},
         "flow_estimator": {"batch": (2, 2, 2 * d.flow_rows), "frames": _clamp(500, 1, d.max_frames)},
         "hift_source": hift,

@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 import numpy as np
 import onnxruntime as ort
 
+from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
 from cosyedge.device.quality import mel_cepstral_distortion, snr_db
 
 # What "still sounds like fp32" means per stage. LLM: mean KL(fp32 || quantized) of the speech-token distribution
@@ -139,9 +140,12 @@ class Gates:
         self._reference: dict[str, object] = {}
 
     def run(self, path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self._session(path).run(None, feeds)
+
+    def _session(self, path: Path) -> ort.InferenceSession:
         if path not in self._sessions:
             self._sessions[path] = session(path)
-        return self._sessions[path].run(None, feeds)
+        return self._sessions[path]
 
     def forget(self, paths: Iterable[Path]) -> None:
         """Close the sessions of graphs that will not be scored again."""
@@ -165,17 +169,20 @@ class Gates:
 
     def llm_logits(self, graphs: dict[str, Path], lm_input: np.ndarray, tokens: list[int], steps: int,
                    sample: tuple[np.random.Generator, list[int]] | None = None,
-                   record: Callable[[str, dict[str, np.ndarray]], None] | None = None) -> np.ndarray:
-        """Logits [steps + 1, V]: prefill on lm_input, then decode steps fed with `tokens` (teacher forcing);
-        with `sample`, the tokens are drawn from these logits and appended as they come."""
+                   record: Callable[[dict[str, np.ndarray]], None] | None = None) -> np.ndarray:
+        """Logits [steps + 1, V] of the `llm` graph: the prefill on lm_input (empty caches), then decode steps fed
+        with `tokens` (teacher forcing); with `sample`, the tokens are drawn from these logits as they come."""
         c = self.config
         length = lm_input.shape[1]
-        feeds = {"inputs_embeds": lm_input, "attention_mask": np.ones((1, length), np.int64)}
-        if record:
-            record("llm_prefill", feeds)
-        logits, key, value = self.run(graphs["llm_prefill"], feeds)
-        out = [logits]
-        for i in range(steps):
+        feeds = prefill_feeds(lm_input, np.ones((1, length), np.int64), cache_dims(self._session(graphs["llm"])))
+        out = []
+        for i in range(steps + 1):
+            if record:
+                record(feeds)
+            logits, key, value = self.run(graphs["llm"], feeds)
+            out.append(logits)
+            if i == steps:
+                break
             if sample is not None:
                 rng, chosen = sample
                 logp = log_softmax(logits[0, :c.speech_token_size])   # stop ids excluded: fixed-length sequences
@@ -186,10 +193,6 @@ class Gates:
                      "past_key": key, "past_value": value,
                      "attention_mask": np.ones((1, length + i + 1), np.int64),
                      "position_ids": np.array([[length + i]], np.int64)}
-            if record:
-                record("llm_decode", feeds)
-            logits, key, value = self.run(graphs["llm_decode"], feeds)
-            out.append(logits)
         return np.concatenate(out)
 
     def llm(self, graphs: dict[str, Path], precision: str) -> StageReport:
@@ -211,15 +214,17 @@ class Gates:
             "decisive_positions": float(decisive_all.sum()), "mean_kl": float(np.concatenate(kl).mean())})
 
     def llm_calibration(self) -> dict[str, list[dict[str, np.ndarray]]]:
-        """Prefill / decode inputs recorded from fp32 sampled runs (seeds not used by the gate)."""
-        recorded: dict[str, list[dict[str, np.ndarray]]] = {"llm_prefill": [], "llm_decode": []}
+        """`llm` inputs recorded from fp32 sampled runs (seeds not used by the gate): every prefill call, every
+        LLM_CALIBRATION_STRIDE-th decode call."""
+        recorded: list[dict[str, np.ndarray]] = []
         for seed, (n_text, steps) in enumerate(LLM_SEQUENCES, start=100):
             rng = np.random.default_rng(seed)
             tokens: list[int] = []
+            calls: list[dict[str, np.ndarray]] = []
             self.llm_logits(self.fp32, self._lm_input(rng, n_text), tokens, steps, sample=(rng, tokens),
-                            record=lambda name, feeds: recorded[name].append(dict(feeds)))
-        recorded["llm_decode"] = recorded["llm_decode"][::LLM_CALIBRATION_STRIDE]
-        return recorded
+                            record=lambda feeds: calls.append(dict(feeds)))
+            recorded += calls[:1] + calls[1::LLM_CALIBRATION_STRIDE]
+        return {"llm": recorded}
 
     # ------------------------------------------------------------------------------------------------ flow
     def _utterance(self, seed: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:

@@ -11,7 +11,7 @@ int(n_text * 2) / int(n_text * 20), counted over the target text tokens only (pr
 lm_input = [llm_embedding[0] (sos)] ++ embed_tokens(prompt_text ++ text) ++ [llm_embedding[1] (task_id)]
 ++ speech_embedding(prompt_speech_tokens). Decode step i feeds speech_embedding[token_{i-1}] at the next position.
 
-The ONNX graphs (prefill / decode) and the embedding tables the runtime gathers from are in llm_export.py.
+The ONNX graph (one for prefill and decode) and the embedding tables the runtime gathers from are in llm_export.py.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class GreedyResult:
 
 
 class Qwen2LM(nn.Module):
-    """CosyVoice2 text-speech LM. `forward` is the shared causal pass used by prefill, decode and both graphs."""
+    """CosyVoice2 text-speech LM. `forward` is the shared causal pass used by prefill, decode and the ONNX graph."""
 
     def __init__(self, config: LLMConfig) -> None:
         super().__init__()

@@ -63,7 +63,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     def calibration_for(graph: str) -> list:
         if graph not in calibration:
             log(f"recording calibration inputs of {graph} from fp32 runs")
-            if graph.startswith("llm_"):
+            if graph in STAGE_GRAPHS["llm"]:
                 calibration.update(gates.llm_calibration())
             else:
                 calibration["flow_estimator"], mels = gates.flow_calibration()

@@ -44,8 +44,7 @@ CPU_FLOW_DYNAMIC = True
 # predictor / source of HiFT, the DFT-basis STFT / iSTFT convolutions (top-level `/Conv`, `/ConvTranspose*`) and
 # the log-magnitude projection before the exp.
 INT8_EXCLUDE: dict[str, tuple[str, ...]] = {
-    "llm_prefill": (r"^/llm_decoder/",),
-    "llm_decode": (r"^/llm_decoder/",),
+    "llm": (r"^/llm_decoder/",),
     "flow_encoder": (r"^/spk_embed_affine_layer/", r"^/encoder/embed/", r"^/encoder/up_embed/"),
     "flow_estimator": (r"/time_mlp/", r"/time_embeddings", r"/mlp/", r"^/estimator/final_proj/"),
     "hift_source": (r".",),
@@ -56,8 +55,7 @@ INT8_EXCLUDE: dict[str, tuple[str, ...]] = {
 # HiFT's Snake reciprocal and the iSTFT tail.
 TOP_LEVEL = r"^/[A-Za-z]+(_\d+)?$"    # graph-level glue: masks, positions, rotary tables, output picks
 FP32_NAMES: dict[str, tuple[str, ...]] = {
-    "llm_prefill": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
-    "llm_decode": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
+    "llm": (TOP_LEVEL, r"norm", r"^/layers\.\d+/Add(_\d+)?$", r"^/llm_decoder/"),
     "flow_encoder": (TOP_LEVEL, r"norm", r"^/encoder/embed/", r"^/encoder/up_embed/", r"^/spk_embed_affine_layer/",
                      r"^/encoder/[A-Za-z]+(_\d+)?$"),
     "flow_estimator": (TOP_LEVEL, r"norm", r"/time_mlp/", r"/time_embeddings", r"^/estimator/[A-Za-z]+(_\d+)?$",
@@ -140,7 +138,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
 
 # Per target: the precision ladder of each stage, tried in order (the last one is the safe fallback), and the
 # graphs of each stage that change precision (the others stay fp32).
-STAGE_GRAPHS = {"llm": ("llm_prefill", "llm_decode"), "flow": ("flow_encoder", "flow_estimator"),
+STAGE_GRAPHS = {"llm": ("llm",), "flow": ("flow_encoder", "flow_estimator"),
                 "hift": ("hift_source", "hift_decoder")}
 _CPU_FLOW_HIFT = {"flow": ("int8", "fp32"), "hift": ("int8", "fp32")}   # shared by cpu and cpu-int4
 LADDERS: dict[str, dict[str, tuple[str, ...]]] = {

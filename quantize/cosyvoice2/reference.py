@@ -40,7 +40,7 @@ from cosyedge.quantize.cosyvoice2.llm import Qwen2LM, build_llm
 from cosyedge.quantize.cosyvoice2.release import Release
 from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
 
-STAGE_GRAPHS = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+STAGE_GRAPHS = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
 def release_voices(release: Release) -> list[Voice]:

@@ -1,10 +1,10 @@
 """ONNX export of the Fun-CosyVoice3 LLM and flow stages: the graph contract between the build host and the runtime.
 
-Most of the contract is CosyVoice2's, because the computation is: the LLM graphs are `cosyvoice2.llm_export`'s
+Most of the contract is CosyVoice2's, because the computation is: the LLM graph is `cosyvoice2.llm_export`'s
 (the same Qwen2 causal pass with explicit KV caches, speech logits only), the flow graphs are built from
 `cosyvoice2.flow_export`'s wrappers (the v3 flow keeps the `encode` / `velocity` signatures). What differs:
 
-LLM (`llm_prefill.onnx`, `llm_decode.onnx`; signatures in `cosyvoice2.llm_export`)
+LLM (`llm.onnx`: one graph for prefill and decode; signature in `cosyvoice2.llm_export`)
   * logits are [B, V] with V = speech_token_size + S (6761 officially: S special ids, all stop ids);
   * there is no `llm_embedding` table: sos (speech_token_size) and task_id (+2) are rows of `speech_embedding`,
     so `embedding_tables` returns only `embed_tokens` and `speech_embedding`;
@@ -28,12 +28,12 @@ import numpy as np
 
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS
 from cosyedge.quantize.cosyvoice2.flow_export import ENCODER_NAME, ESTIMATOR_NAME, export_flow_graphs
-from cosyedge.quantize.cosyvoice2.llm_export import DECODE_NAME, PREFILL_NAME, export_llm as _export_llm_graphs
+from cosyedge.quantize.cosyvoice2.llm_export import LLM_NAME, export_llm as _export_llm_graphs
 from cosyedge.quantize.cosyvoice3.flow import CausalMaskedDiffWithDiT, Flow3Config
 from cosyedge.quantize.cosyvoice3.llm import CosyVoice3LM
 
-__all__ = ["DECODE_NAME", "ENCODER_NAME", "ESTIMATOR_NAME", "PREFILL_NAME", "embedding_tables", "export_flow",
-           "export_llm", "flow_metadata", "llm_metadata"]
+__all__ = ["ENCODER_NAME", "ESTIMATOR_NAME", "LLM_NAME", "embedding_tables", "export_flow", "export_llm",
+           "flow_metadata", "llm_metadata"]
 
 
 def embedding_tables(module: CosyVoice3LM) -> dict[str, np.ndarray]:
@@ -56,7 +56,7 @@ def llm_metadata(module: CosyVoice3LM) -> dict[str, str]:
 
 
 def export_llm(module: CosyVoice3LM, out_dir: Path) -> dict[str, Path]:
-    """Write llm_prefill.onnx and llm_decode.onnx (CosyVoice2's graphs over the v3 module) with v3 metadata."""
+    """Write llm.onnx (CosyVoice2's graph over the v3 module) with v3 metadata."""
     return _export_llm_graphs(module, Path(out_dir), llm_metadata(module))  # type: ignore[arg-type]
 
 

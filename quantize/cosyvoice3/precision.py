@@ -27,7 +27,7 @@ import numpy as np
 
 from cosyedge.device.cosyvoice3.vocoder import SineNoise
 from cosyedge.quantize.cosyvoice2.gates import GateConfig, Gates, StageReport
-from cosyedge.quantize.cosyvoice2.precision_targets import FP32_NAMES, INT8_EXCLUDE, TOP_LEVEL, GraphRules
+from cosyedge.quantize.cosyvoice2.precision_targets import FP32_NAMES, INT8_EXCLUDE, STAGE_GRAPHS, TOP_LEVEL, GraphRules
 
 FLOW_CALIBRATION_STRIDE = 2
 _BLOCK_GLUE = r"^/estimator/transformer_blocks\.\d+/[A-Za-z]+(_\d+)?$"   # LN, modulation, gates, residual adds
@@ -67,5 +67,5 @@ class Gates3(Gates):
     def check(self, stage: str, graphs: dict[str, Path], precision: str) -> StageReport:
         report = super().check(stage, graphs, precision)
         if stage == "llm":   # reference logits are cached; a later need re-opens them
-            self.forget(self.fp32[g] for g in ("llm_prefill", "llm_decode"))
+            self.forget(self.fp32[g] for g in STAGE_GRAPHS["llm"])
         return report

@@ -9,9 +9,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from cosyedge.device.bench.clocks import GRAPH_STAGE, StageClock, TimedSession, graph_name, timing_factory
+from cosyedge.device.bench.clocks import (GRAPH_STAGE, LLMTimedSession, StageClock, TimedSession, graph_name,
+                                          timing_factory)
 from cosyedge.device.bench.report import cosyvoice_table, engine_table
 from cosyedge.device.sessions import SessionConfig, create_session
 
@@ -71,17 +73,25 @@ def test_session_config_creates_through_the_injected_factory(tmp_path):
 
 
 def test_timing_factory_times_stage_graphs_only():
+    """The one `llm` graph is timed by call kind: an empty cache is a prefill, any other call a decode step."""
     clock = StageClock()
     counting = CountingFactory(create=lambda path, config: FakeSession())
     factory = timing_factory(clock, counting)
-    decode = factory(Path("trt_llm_decode.int8.onnx"), SessionConfig())
+    llm = factory(Path("trt_llm.int8.onnx"), SessionConfig())
+    estimator = factory(Path("flow_estimator.int8.onnx"), SessionConfig())
     campplus = factory(Path("campplus.fp32.onnx"), SessionConfig())
-    assert isinstance(decode, TimedSession) and not isinstance(campplus, TimedSession)
-    decode.run(None, {})
-    decode.run(None, {})
-    assert counting.created == ["llm_decode", "campplus"] and counting.runs == {"llm_decode": 2}
+    assert isinstance(llm, LLMTimedSession) and isinstance(estimator, TimedSession)
+    assert not isinstance(campplus, TimedSession)
+    llm.run(None, {"past_key": np.zeros((2, 1, 2, 0, 4), np.float32)})
     seconds = clock.take()
-    assert seconds["llm_decode"] > 0 and seconds["flow"] == 0
+    assert seconds["llm_prefill"] > 0 and seconds["llm_decode"] == 0
+    llm.run(None, {"past_key": np.zeros((2, 1, 2, 3, 4), np.float32)})
+    llm.run(None, {"past_key": np.zeros((2, 1, 2, 4, 4), np.float32)})
+    estimator.run(None, {})
+    assert counting.created == ["llm", "flow_estimator", "campplus"]
+    assert counting.runs == {"llm": 3, "flow_estimator": 1}
+    seconds = clock.take()
+    assert seconds["llm_decode"] > 0 and seconds["llm_prefill"] == 0 and seconds["flow"] > 0
     assert clock.take()["llm_decode"] == 0  # take() starts again from zero
 
 
@@ -89,10 +99,11 @@ def test_device_worker_times_the_sessions_of_an_injected_factory(cv2_tiny_bundle
     from cosyedge.device.bench.worker import TEXTS, DeviceBackend, Settings, run_batch
     counting = CountingFactory()
     backend = DeviceBackend(cv2_tiny_bundle, "fp32", threads=1, create=counting)
-    assert sorted(counting.created) == sorted(GRAPH_STAGE)  # one session per stage graph, all through the factory
-    counting.runs.clear()
+    assert sorted(counting.created) == sorted([*GRAPH_STAGE, "llm"])  # one session per stage graph, all through
+    counting.runs.clear()                                                 # the factory; ONE for the LLM
     reply = run_batch(backend, [TEXTS[1]], stream=False, settings=Settings(tokens=3, sampling="greedy"))
-    assert counting.runs["llm_prefill"] >= 1 and counting.runs["llm_decode"] >= 2
+    assert counting.runs["llm"] >= 3   # the prefill and two decode steps, each timed on its own stage
+    assert reply["stage_s"]["llm_prefill"] > 0 and reply["stage_s"]["llm_decode"] > 0
     assert counting.runs["flow_estimator"] >= 1 and counting.runs["hift_decoder"] >= 1
     for graph, stage in GRAPH_STAGE.items():  # every call that reached a session was timed on its stage
         assert (reply["stage_s"][stage] > 0) >= (counting.runs[graph] > 0)

@@ -17,7 +17,7 @@ RUN_KEYS = {"backend", "bundle", "precision", "preset", "concurrency", "stream",
             "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "stage_rss_mb",
             "throughput_audio_s_per_s"}
 STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift"}
-GRAPHS = {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
+GRAPHS = {"llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
 TOKENS = 30  # > first hop + look-ahead (28): every streaming request yields a chunk before its final one
 TEXTS = 2    # one Chinese, one English
 SECONDS_PER_TOKEN = 2 * 480 / 24000  # token_mel_ratio * hift samples per frame / sample rate
@@ -121,7 +121,7 @@ def test_precisions_side_by_side_report_the_precision_of_every_stage(cv2_tiny_cp
     assert len(runs) == 3 and all(r["backend"] == "device" for r in runs)
     fp32, int8, target = (r["precision"] for r in runs)
     assert set(fp32.values()) == {"fp32"}
-    assert int8["llm_prefill"] == int8["llm_decode"] == "int8"  # the cpu target always quantises the LLM
+    assert int8["llm"] == "int8"  # the cpu target always quantises the LLM
     targets = json.loads((cv2_tiny_cpu_bundle / "manifest.json").read_text())["config"]["targets"]["cpu"]["graphs"]
     assert target == {graph: entry["precision"] for graph, entry in targets.items() if graph in target}
 

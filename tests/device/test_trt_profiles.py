@@ -28,7 +28,7 @@ from cosyedge.device.trt.profiles import graph_profiles
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "cosyvoice2-tiny" / "vectors"
 CASES = json.loads((GOLDEN / "index.json").read_text(encoding="utf-8"))["e2e"] if (GOLDEN / "index.json").is_file() else []
-STAGES = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+STAGES = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
 class _Recording:
@@ -109,8 +109,10 @@ def test_the_recording_saw_every_stage(cv2_tiny_bundle: Path, tmp_path: Path) ->
     fed_shapes = _fed_shapes(cv2_tiny_bundle, "agx-orin-64gb", tmp_path)
     assert set(STAGES) <= set(fed_shapes)
     assert any(shape[0] > 2 for name, shape in fed_shapes["flow_estimator"] if name == "x")  # a batched render
-    pasts = {shape[3] for name, shape in fed_shapes["llm_decode"] if name == "past_key"}
+    pasts = {shape[3] for name, shape in fed_shapes["llm"] if name == "past_key"}
     assert len(pasts) > 50  # the cache grew step after step: one profile must hold every length
+    assert 0 in pasts       # ... from the prefill's empty cache on (one graph for prefill and decode)
+    assert any(shape[1] > 1 for name, shape in fed_shapes["llm"] if name == "inputs_embeds")
 
 
 @pytest.mark.parametrize("profile_name", list(PROFILES))
@@ -195,7 +197,7 @@ def test_tensorrt_options_reach_session_creation_only_for_tensorrt(cv2_tiny_bund
     """The session wiring: a config whose TensorRT provider is offered gets the graph's profile; cpu does not."""
     from cosyedge.device.trt.providers import TrtSessionOptions
     trt = TrtSessionOptions(device_profile("orin-nano-8gb"), tmp_path, GpuIdentity("Orin", "8.7", "10.3.0", "x"))
-    path = Bundle.load(cv2_tiny_bundle, verify=False).path("llm_decode.fp32.onnx")
+    path = Bundle.load(cv2_tiny_bundle, verify=False).path("llm.fp32.onnx")
     monkeypatch.setattr(ort, "get_available_providers",
                         lambda: ["TensorrtExecutionProvider", "CPUExecutionProvider"])
     resolved = SessionConfig(providers=("tensorrt", "cpu"), trt=trt).resolved_providers(path)

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from cosyedge.device.bundle import Bundle
+from cosyedge.device.engine import Engine
 from cosyedge.device.errors import ReleaseError
+from cosyedge.device.sessions import SessionConfig, create_session
 from cosyedge.quantize.cosyvoice2.bundle import write_bundle
 from cosyedge.quantize.cosyvoice2.random_init import _sized_yaml, PRESETS
 from cosyedge.quantize.cosyvoice2.release import read_yaml
 
-GRAPHS = {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder", "campplus",
+GRAPHS = {"llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder", "campplus",
           "speech_tokenizer"}
 
 
@@ -47,8 +49,19 @@ def test_cli_builds_a_valid_bundle(tiny_release, tmp_path):
     assert manifest.voices == ("tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk")
     assert manifest.config["sampling"] == {"top_p": 0.8, "top_k": 25, "win_size": 10, "tau_r": 0.1}
     assert manifest.provenance["source_files"]["llm.pt"]
-    prefill = bundle.component("llm_prefill", "fp32")
-    assert [t.name for t in prefill.inputs] == ["inputs_embeds", "attention_mask"]
+    llm = bundle.component("llm", "fp32")   # one LLM graph for prefill and decode
+    assert [t.name for t in llm.inputs] == ["inputs_embeds", "past_key", "past_value", "attention_mask",
+                                            "position_ids"]
+    created: list[str] = []
+
+    def factory(path: Path, config: SessionConfig):
+        created.append(path.name)
+        return create_session(path, config)
+
+    sessions = SessionConfig(providers=("cpu",), intra_op_threads=1, session_factory=factory)
+    engine = Engine.load(out, precision="fp32", sessions=sessions, warmup=False)
+    assert [name for name in created if name.startswith("llm")] == ["llm.fp32.onnx"]   # ONE session, both call kinds
+    assert engine.pipeline.describe()["precision"]["llm"] == "fp32"
     noise = np.load(bundle.asset("cfm_noise"))
     assert noise.shape == (1, 80, 15000) and abs(float(noise.sum()) - -1291.2014) < 1e-2
     zh = np.load(bundle.asset("voice:tiny_spk_zh"))

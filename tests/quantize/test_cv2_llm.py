@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
 from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2.llm import (LLMConfig, Qwen2LM, build_llm, build_llm_random, greedy_choice,
                                               load_llm_state)
@@ -177,21 +178,32 @@ def test_padded_batch_matches_single_rows(lm: Qwen2LM, gold: dict[str, np.ndarra
 # ---------------------------------------------------------------- ONNX
 
 
-def test_onnx_signatures(graphs: dict[str, ort.InferenceSession], lm: Qwen2LM) -> None:
+def _prefill(graph: ort.InferenceSession, embeds: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
+    """The prefill call of the one `llm` graph (the runtime's feeds: empty caches, P = 0)."""
+    return graph.run(None, prefill_feeds(embeds, mask, cache_dims(graph)))
+
+
+def _decode(graph: ort.InferenceSession, embed: np.ndarray, key: np.ndarray, value: np.ndarray) -> list[np.ndarray]:
+    p = key.shape[3]
+    return graph.run(None, {"inputs_embeds": embed, "past_key": key, "past_value": value,
+                            "attention_mask": np.ones((1, p + 1), np.int64), "position_ids": np.array([[p]], np.int64)})
+
+
+def test_one_llm_graph(graphs: dict[str, ort.InferenceSession], lm: Qwen2LM) -> None:
+    """One graph serves prefill and decode: n new positions after P cached ones, every size dynamic."""
+    assert list(graphs) == ["llm"]
     c = lm.config.qwen
     v = lm.config.speech_vocab
-    sig = {name: ([(i.name, i.type, i.shape) for i in s.get_inputs()],
-                  [(o.name, o.type, o.shape) for o in s.get_outputs()]) for name, s in graphs.items()}
+    s = graphs["llm"]
     cache = [c.num_layers, "batch", c.num_kv_heads, "past", c.head_dim]
     present = [c.num_layers, "batch", c.num_kv_heads, "total", c.head_dim]
-    outputs = [("logits", "tensor(float)", ["batch", v]), ("present_key", "tensor(float)", present),
-               ("present_value", "tensor(float)", present)]
-    assert sig["llm_prefill"] == ([("inputs_embeds", "tensor(float)", ["batch", "length", c.hidden_size]),
-                                   ("attention_mask", "tensor(int64)", ["batch", "length"])], outputs)
-    assert sig["llm_decode"] == ([("inputs_embeds", "tensor(float)", ["batch", 1, c.hidden_size]),
-                                  ("past_key", "tensor(float)", cache), ("past_value", "tensor(float)", cache),
-                                  ("attention_mask", "tensor(int64)", ["batch", "total"]),
-                                  ("position_ids", "tensor(int64)", ["batch", 1])], outputs)
+    assert [(i.name, i.type, i.shape) for i in s.get_inputs()] == [
+        ("inputs_embeds", "tensor(float)", ["batch", "length", c.hidden_size]),
+        ("past_key", "tensor(float)", cache), ("past_value", "tensor(float)", cache),
+        ("attention_mask", "tensor(int64)", ["batch", "total"]), ("position_ids", "tensor(int64)", ["batch", "length"])]
+    assert [(o.name, o.type, o.shape) for o in s.get_outputs()] == [
+        ("logits", "tensor(float)", ["batch", v]), ("present_key", "tensor(float)", present),
+        ("present_value", "tensor(float)", present)]
 
 
 @pytest.mark.parametrize("case", HEAVY)
@@ -199,19 +211,15 @@ def test_onnx_signatures(graphs: dict[str, ort.InferenceSession], lm: Qwen2LM) -
 def test_onnx_matches_torch(lm: Qwen2LM, graphs: dict[str, ort.InferenceSession], gold: dict[str, np.ndarray],
                             case: str) -> None:
     lm_input = _lm_input(lm, gold, case)
-    out = graphs["llm_prefill"].run(None, {"inputs_embeds": lm_input.numpy(),
-                                           "attention_mask": np.ones(lm_input.shape[:2], np.int64)})
+    out = _prefill(graphs["llm"], lm_input.numpy(), np.ones(lm_input.shape[:2], np.int64))
     ref = lm.prefill(lm_input)
     for got, want in zip(out, ref):
         np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=ONNX_ATOL)
     _, key, value = out
     _, tkey, tvalue = ref
-    for i, token in enumerate(gold[f"{case}__greedy_tokens"][:5]):
+    for token in gold[f"{case}__greedy_tokens"][:5]:
         embed = lm.token_embedding(int(token))
-        p = key.shape[3]
-        out = graphs["llm_decode"].run(None, {"inputs_embeds": embed.numpy(), "past_key": key, "past_value": value,
-                                              "attention_mask": np.ones((1, p + 1), np.int64),
-                                              "position_ids": np.array([[p]], np.int64)})
+        out = _decode(graphs["llm"], embed.numpy(), key, value)
         ref = lm.decode_step(embed, tkey, tvalue)
         for got, want in zip(out, ref):
             np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=ONNX_ATOL)
@@ -219,16 +227,30 @@ def test_onnx_matches_torch(lm: Qwen2LM, graphs: dict[str, ort.InferenceSession]
         _, tkey, tvalue = ref
 
 
+@torch.no_grad()
+def test_onnx_several_new_positions_after_a_cache(lm: Qwen2LM, graphs: dict[str, ort.InferenceSession],
+                                                  gold: dict[str, np.ndarray]) -> None:
+    """P > 0 and n > 1 in one call (the general pass): a prompt prefilled in two parts equals one prefill."""
+    lm_input = _lm_input(lm, gold, "zero_shot0_s0").numpy()
+    length, head = lm_input.shape[1], 7
+    whole = _prefill(graphs["llm"], lm_input, np.ones((1, length), np.int64))
+    _, key, value = _prefill(graphs["llm"], lm_input[:, :head], np.ones((1, head), np.int64))
+    rest = graphs["llm"].run(None, {"inputs_embeds": lm_input[:, head:], "past_key": key, "past_value": value,
+                                    "attention_mask": np.ones((1, length), np.int64),
+                                    "position_ids": np.arange(head, length, dtype=np.int64)[None]})
+    for got, want in zip(rest, whole):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ONNX_ATOL)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_onnx_greedy_decode_exact(lm: Qwen2LM, graphs: dict[str, ort.InferenceSession],
                                   gold: dict[str, np.ndarray], case: str) -> None:
-    """The runtime's loop: numpy embedding gathers + the two graphs."""
+    """The runtime's loop: numpy embedding gathers + the one graph (prefill, then one position per call)."""
     t = embedding_tables(lm)
     config = lm.config
     lm_input = gold[f"{case}__lm_input"]
     min_len, max_len = config.min_max_len(gold[f"{case}__text_token"].shape[1])
-    logits, key, value = graphs["llm_prefill"].run(None, {"inputs_embeds": lm_input,
-                                                          "attention_mask": np.ones(lm_input.shape[:2], np.int64)})
+    logits, key, value = _prefill(graphs["llm"], lm_input, np.ones(lm_input.shape[:2], np.int64))
     tokens, stop = [], -1
     for step in range(max_len):
         token = greedy_choice(logits[0], step, min_len, config)
@@ -236,10 +258,7 @@ def test_onnx_greedy_decode_exact(lm: Qwen2LM, graphs: dict[str, ort.InferenceSe
             stop = token
             break
         tokens.append(token)
-        p = key.shape[3]
-        logits, key, value = graphs["llm_decode"].run(None, {
-            "inputs_embeds": t["speech_embedding"][token].reshape(1, 1, -1), "past_key": key, "past_value": value,
-            "attention_mask": np.ones((1, p + 1), np.int64), "position_ids": np.array([[p]], np.int64)})
+        logits, key, value = _decode(graphs["llm"], t["speech_embedding"][token].reshape(1, 1, -1), key, value)
     assert tokens == gold[f"{case}__greedy_tokens"].tolist()
     assert stop == int(gold[f"{case}__greedy_stop_token"][0])
 
@@ -251,8 +270,7 @@ def test_onnx_padded_batch(lm: Qwen2LM, graphs: dict[str, ort.InferenceSession],
     cases = ["cross_lingual1_s0", "instruct20_s0", "sft2_s0"]
     inputs = [_lm_input(lm, gold, c) for c in cases]
     embeds, mask = _padded(inputs, left)
-    logits, key, value = graphs["llm_prefill"].run(None, {"inputs_embeds": embeds.numpy(),
-                                                          "attention_mask": mask.numpy()})
+    logits, key, value = _prefill(graphs["llm"], embeds.numpy(), mask.numpy())
     singles = [lm.prefill(x) for x in inputs]
     np.testing.assert_allclose(logits, torch.cat([s[0] for s in singles]).numpy(), rtol=0, atol=ONNX_ATOL)
     mask = mask.numpy()
@@ -261,7 +279,7 @@ def test_onnx_padded_batch(lm: Qwen2LM, graphs: dict[str, ort.InferenceSession],
     for i in range(2):
         step_in = torch.cat([lm.token_embedding(int(s[i])) for s in steps])
         mask = np.concatenate([mask, np.ones((len(cases), 1), np.int64)], axis=1)
-        logits, key, value = graphs["llm_decode"].run(None, {
+        logits, key, value = graphs["llm"].run(None, {
             "inputs_embeds": step_in.numpy(), "past_key": key, "past_value": value, "attention_mask": mask,
             "position_ids": (valid + i).reshape(-1, 1).astype(np.int64)})
         singles = [lm.decode_step(lm.token_embedding(int(s[i])), k, v) for s, (_, k, v) in zip(steps, singles)]

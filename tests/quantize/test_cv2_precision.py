@@ -22,7 +22,7 @@ from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2 import precision, precision_targets
 from cosyedge.quantize.cosyvoice2.gates import THRESHOLDS, GateConfig, Gates, session
 
-GRAPHS = ("llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+GRAPHS = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,11 @@ def gate_config(bundle: Bundle) -> GateConfig:
     return GateConfig.from_bundle(bundle)
 
 
-def _feeds(path: Path) -> dict[str, np.ndarray]:
-    """Small random inputs of the graph's signature (dynamic sizes: batch 1, cache 5, lengths 12 / 24 frames)."""
+def _feeds(path: Path, past: int = 5) -> dict[str, np.ndarray]:
+    """Small random inputs of the graph's signature (dynamic sizes: batch 1, cache `past` (0: the LLM's prefill
+    call, empty caches), 7 new positions, 15 tokens / 24 frames)."""
     rng = np.random.default_rng(0)
-    sizes = {"batch": 1, "past": 5, "total": 6, "length": 7, "tokens": 15, "frames": 24}
+    sizes = {"batch": 1, "past": past, "total": past + 7, "length": 7, "tokens": 15, "frames": 24}
     feeds = {}
     for value in session(path).get_inputs():
         shape = [d if isinstance(d, int) else sizes.get(d, 24) for d in value.shape]
@@ -63,10 +64,6 @@ def _feeds(path: Path) -> dict[str, np.ndarray]:
                                  else rng.integers(0, 100, shape, dtype=np.int64))
         else:
             feeds[value.name] = rng.standard_normal(shape, dtype=np.float32) * 0.1
-    if "attention_mask" in feeds and "past_key" in feeds:
-        feeds["attention_mask"] = np.ones((1, 6), np.int64)
-    elif "attention_mask" in feeds:
-        feeds["attention_mask"] = np.ones((1, feeds["inputs_embeds"].shape[1]), np.int64)
     return feeds
 
 
@@ -105,7 +102,7 @@ def test_gpu_fp16_passes_every_stage_gate(bundle):
     assert quality["hift"]["attempts"][0]["metrics"]["snr_db"] > 40                 # ~48 dB
     graphs = bundle.manifest.config["targets"]["gpu-fp16"]["graphs"]
     assert graphs["hift_source"]["precision"] == "fp32"   # the exact sine phase stays fp32
-    for name in ("llm_decode", "flow_estimator", "hift_decoder"):
+    for name in ("llm", "flow_estimator", "hift_decoder"):
         component = bundle.component(name, "fp16")
         assert all(t.dtype in ("float", "int64") for t in (*component.inputs, *component.outputs))  # keep_io_types
         model = onnx.load(str(bundle.path(component.file)))
@@ -118,7 +115,7 @@ def test_cpu_target_has_int8_llm_weights(bundle):
     """The LLM passes its gate at int8 on tiny (KL ~0.003 nats, decisive top-1 ~0.98) with 8-bit MatMulNBits."""
     cpu = bundle.manifest.config["targets"]["cpu"]
     assert cpu["stages"]["llm"] == "int8"
-    model = onnx.load(str(bundle.path(bundle.component("llm_decode", "int8").file)))
+    model = onnx.load(str(bundle.path(bundle.component("llm", "int8").file)))
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     bits = [onnx.helper.get_attribute_value(a) for n in nbits for a in n.attribute if a.name == "bits"]
     assert nbits and set(bits) == {8}
@@ -128,17 +125,19 @@ def test_cpu_target_has_int8_llm_weights(bundle):
 
 
 def test_every_target_graph_runs_on_onnxruntime_cpu(bundle, fp32):
+    """Every quantized graph runs; the one LLM graph also with empty caches (P = 0: the prefill call)."""
     names = {(ref["component"], ref["precision"]) for entry in bundle.manifest.config["targets"].values()
              for ref in entry["graphs"].values() if ref["precision"] != "fp32"}
-    assert names
+    assert ("llm", "int8") in names and ("llm", "fp16") in names
     for component, prec in sorted(names):
         path = bundle.path(bundle.component(component, prec).file)
         graph = component.removeprefix("trt_")
-        feeds = _feeds(fp32[graph])
-        got = session(path).run(None, feeds)
-        ref = session(fp32[graph]).run(None, feeds)
-        for a, b in zip(ref, got):
-            assert a.shape == b.shape and a.dtype == b.dtype and np.isfinite(b).all(), (component, prec)
+        for past in (0, 5) if graph == "llm" else (5,):
+            feeds = _feeds(fp32[graph], past)
+            got = session(path).run(None, feeds)
+            ref = session(fp32[graph]).run(None, feeds)
+            for a, b in zip(ref, got):
+                assert a.shape == b.shape and a.dtype == b.dtype and np.isfinite(b).all(), (component, prec, past)
 
 
 def _scale_zero(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, np.ndarray, np.ndarray | None, bool]]:
@@ -161,7 +160,7 @@ def test_trt_int8_graphs_follow_tensorrt_qdq_rules(fp32, gate_config, tmp_path):
     calibration["flow_estimator"], mels = gates.flow_calibration()
     calibration["hift_decoder"] = gates.hift_calibration(mels)
     built = {}
-    for graph in ("llm_decode", "flow_estimator", "hift_decoder"):
+    for graph in ("llm", "flow_estimator", "hift_decoder"):
         v = precision_targets.variant("trt-int8", graph, "int8")
         assert v.component == f"trt_{graph}"
         built[graph] = precision_targets.build_variant(v, fp32[graph], tmp_path / f"{v.component}.int8.onnx",
@@ -184,6 +183,8 @@ def test_trt_int8_graphs_follow_tensorrt_qdq_rules(fp32, gate_config, tmp_path):
     graphs = dict(fp32, flow_estimator=built["flow_estimator"])
     report = gates.flow(graphs, "int8")
     assert report.passed, report.failures
+    llm = gates.llm(dict(fp32, llm=built["llm"]), "int8")   # the QDQ LLM graph runs its prefill with P = 0
+    assert np.isfinite(llm.metrics["mean_kl"]) and llm.metrics["top1_agreement"] > 0.5
 
 
 def _flip_one_layer(path: Path, op_type: str, pattern: str) -> None:
@@ -224,7 +225,7 @@ def broken(monkeypatch):
 
 
 def test_broken_llm_quantization_is_rejected_naming_the_stage(fp32, gate_config, tmp_path, broken):
-    broken("llm_decode", "MatMulNBits", "/layers.0/mlp/down_proj/")
+    broken("llm", "MatMulNBits", "/layers.0/mlp/down_proj/")
     with pytest.raises(ReleaseError, match=r"quality gate: stage 'llm' of target 'cpu' at int8 failed \(.*mean_kl"):
         precision.build_targets(["cpu"], fp32, tmp_path, gate_config)
 
@@ -236,13 +237,13 @@ def test_broken_flow_quantization_is_rejected_naming_the_stage(fp32, gate_config
 
 
 def test_allow_fallback_keeps_a_broken_stage_at_fp32(fp32, gate_config, tmp_path, broken):
-    broken("llm_decode", "MatMulNBits", "/layers.0/mlp/down_proj/")
+    broken("llm", "MatMulNBits", "/layers.0/mlp/down_proj/")
     result = precision.build_targets(["cpu"], fp32, tmp_path, gate_config, allow_fallback=True)
     report = result.quality["cpu"]["llm"]
     assert result.targets["cpu"]["stages"]["llm"] == "fp32"
     assert report["fallback_from"] == "int8" and report["fallback_reason"] == "int8 missed the llm gate"
     assert not report["attempts"][0]["passed"]
-    assert not (tmp_path / "llm_decode.int8.onnx").exists()   # the rejected graph is not left in the bundle
+    assert not (tmp_path / "llm.int8.onnx").exists()   # the rejected graph is not left in the bundle
     assert "llm_int8" not in result.targets["cpu"]
 
 
@@ -262,7 +263,7 @@ def test_device_runtime_runs_every_target_and_auto_picks_cpu(bundle):
     auto = Engine.load(bundle.root, sessions=sessions, warmup=False)
     assert auto.precision == "cpu"
     stages = bundle.manifest.config["targets"]["cpu"]["graphs"]
-    assert auto.pipeline.describe()["precision"]["llm_decode"] == stages["llm_decode"]["precision"] == "int8"
+    assert auto.pipeline.describe()["precision"]["llm"] == stages["llm"]["precision"] == "int8"
     reference = Engine.load(bundle.root, precision="fp32", sessions=sessions, warmup=False)
     text = "收到好友从远方寄来的生日礼物。"
     want = reference.synthesize_waveform(text, voice="tiny_spk_zh", sampling="greedy", deterministic=True)

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
 from cosyedge.quantize.cosyvoice2.flow import cosine_t_span, fixed_noise
 from cosyedge.quantize.cosyvoice3 import export as E
 from cosyedge.quantize.cosyvoice3 import hift_export as HX
@@ -56,8 +57,7 @@ def s(paths: dict[str, Path]) -> dict[str, ort.InferenceSession]:
 
 
 def test_graphs_are_standard_opset17(paths: dict[str, Path]) -> None:
-    assert set(paths) == {"llm_prefill", "llm_decode", "flow_encoder", "flow_estimator", "hift_source",
-                          "hift_decoder"}
+    assert set(paths) == {"llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
     for path in paths.values():
         model = onnx.load(str(path))
         onnx.checker.check_model(model)
@@ -67,8 +67,8 @@ def test_graphs_are_standard_opset17(paths: dict[str, Path]) -> None:
 
 def test_signatures_and_metadata(s: dict[str, ort.InferenceSession], models: Models) -> None:
     c = models.llm.config
-    assert s["llm_prefill"].get_outputs()[0].shape == ["batch", c.speech_vocab]      # 6761 speech logits only
-    meta = s["llm_decode"].get_modelmeta().custom_metadata_map
+    assert s["llm"].get_outputs()[0].shape == ["batch", c.speech_vocab]      # 6761 speech logits only
+    meta = s["llm"].get_modelmeta().custom_metadata_map
     assert (meta["sos"], meta["task_id"], meta["stop_id_min"], meta["stop_id_max"]) == ("6561", "6563", "6561", "6760")
     assert meta["min_len_masked_id"] == "6561"
     flow_meta = s["flow_estimator"].get_modelmeta().custom_metadata_map
@@ -90,8 +90,7 @@ def test_llm_graphs_match_torch_and_teacher_forcing(models: Models, s, cv3_vecto
     """Prefill + 24 decode steps over the recorded tokens: logits and caches vs torch, log-probs vs tf_logp."""
     lm, g = models.llm, np.load(cv3_vectors / "llm.npz")
     lm_input = g[f"{case}_lm_input"]
-    out = s["llm_prefill"].run(None, {"inputs_embeds": lm_input, "attention_mask": np.ones(lm_input.shape[:2],
-                                                                                             np.int64)})
+    out = s["llm"].run(None, prefill_feeds(lm_input, np.ones(lm_input.shape[:2], np.int64), cache_dims(s["llm"])))
     ref = lm.prefill(torch.from_numpy(lm_input))
     for name, got, want in zip(("logits", "key", "value"), out, ref):
         assert _err(f"llm_{name}_vs_torch", got, want.numpy()) <= ONNX_ATOL
@@ -101,16 +100,16 @@ def test_llm_graphs_match_torch_and_teacher_forcing(models: Models, s, cv3_vecto
     for token in g["recorded_tokens"].tolist():
         p = key.shape[3]
         embed = tables["speech_embedding"][token].reshape(1, 1, -1)
-        logits, key, value = s["llm_decode"].run(None, {"inputs_embeds": embed, "past_key": key, "past_value": value,
-                                                        "attention_mask": np.ones((1, p + 1), np.int64),
-                                                        "position_ids": np.array([[p]], np.int64)})
+        logits, key, value = s["llm"].run(None, {"inputs_embeds": embed, "past_key": key, "past_value": value,
+                                                 "attention_mask": np.ones((1, p + 1), np.int64),
+                                                 "position_ids": np.array([[p]], np.int64)})
         rows.append(torch.log_softmax(torch.from_numpy(logits[0]), -1).numpy())
     assert _err("llm_tf_logp_vs_golden", np.stack(rows), g[f"{case}_tf_logp"]) <= ONNX_ATOL
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_llm_graphs_greedy_decode_exact(models: Models, s, cv3_vectors: Path, case: str) -> None:
-    """The runtime's loop: numpy gathers from the exported tables + the two graphs reproduce the golden tokens."""
+    """The runtime's loop: numpy gathers from the exported tables + the one graph reproduce the golden tokens."""
     e = np.load(cv3_vectors / f"e2e_{case}.npz")
     c, t = models.llm.config, E.embedding_tables(models.llm)
     prompt_text, text = e["seg0_prompt_text_token"].reshape(-1), e["seg0_text_token"].reshape(-1)
@@ -119,8 +118,8 @@ def test_llm_graphs_greedy_decode_exact(models: Models, s, cv3_vectors: Path, ca
                                t["speech_embedding"][[c.task_id]], t["speech_embedding"][speech]])[None]
     np.testing.assert_array_equal(lm_input, e["seg0_lm_input"])
     min_len, max_len = c.min_max_len(text.shape[0])
-    logits, key, value = s["llm_prefill"].run(None, {"inputs_embeds": lm_input,
-                                                     "attention_mask": np.ones(lm_input.shape[:2], np.int64)})
+    logits, key, value = s["llm"].run(None, prefill_feeds(lm_input, np.ones(lm_input.shape[:2], np.int64),
+                                                          cache_dims(s["llm"])))
     _err("llm_logp_first_vs_golden", torch.log_softmax(torch.from_numpy(logits[0]), -1).numpy(),
          e["seg0_logp_first4"][0])
     tokens, stop = [], -1
@@ -131,7 +130,7 @@ def test_llm_graphs_greedy_decode_exact(models: Models, s, cv3_vectors: Path, ca
             break
         tokens.append(token)
         p = key.shape[3]
-        logits, key, value = s["llm_decode"].run(None, {
+        logits, key, value = s["llm"].run(None, {
             "inputs_embeds": t["speech_embedding"][token].reshape(1, 1, -1), "past_key": key, "past_value": value,
             "attention_mask": np.ones((1, p + 1), np.int64), "position_ids": np.array([[p]], np.int64)})
     assert tokens == e["seg0_llm_tokens"].tolist()
