@@ -62,7 +62,9 @@ class CosyVoice2Pipeline(Pipeline):
         graphs = bundle.selected(precision)  # a precision (fp32, int8) or a quantize target (cpu, trt-int8)
         missing = [name for name in STAGES if name not in graphs]
         if missing:
-            raise BundleError(f"bundle {bundle.root.name!r} has no graph {missing[0]!r} for {precision!r}")
+            raise BundleError(f"bundle {bundle.root.name!r} has no graph {missing[0]!r} for {precision!r}; bundles "
+                              "written before the one `llm` graph hold two LLM graphs: re-create it with "
+                              "cosyedge quantize")
         self._precision = {name: graphs[name].precision for name in STAGES}
         self._sessions = {name: sessions.create(bundle.path(graphs[name].file)) for name in STAGES}
         s = self._sessions

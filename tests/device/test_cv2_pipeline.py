@@ -389,3 +389,20 @@ def test_pipeline_runs_without_torch(cv2_bundle: Path, vectors: dict, golden_dir
     assert result.stdout.strip().endswith("ok")
     golden = vectors["e2e"]["sft0_s0__tts_speech"][0]
     assert _snr(golden, np.load(out)) > SNR_DB
+
+
+def test_a_bundle_with_the_old_two_llm_graphs_is_refused_with_a_rebuild_hint(cv2_tiny_bundle: Path, tmp_path: Path):
+    """A bundle written before the one `llm` graph (components llm_prefill / llm_decode): one line naming the missing
+    graph and the fix, exit 2, no traceback."""
+    import shutil
+    old = tmp_path / "old"
+    shutil.copytree(cv2_tiny_bundle, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for component in manifest["components"]:
+        if component["name"] == "llm":
+            component["name"] = "llm_decode"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "synth", "你好。", "--bundle", str(old),
+                             "--out", str(tmp_path / "x.wav")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "has no graph 'llm'" in result.stderr and "re-create it with cosyedge quantize" in result.stderr
