@@ -82,3 +82,17 @@ def assert_first_chunk_goes_first(engine: Engine, segment: Segment, options: Syn
         thread.join(60)
     a.close()
     assert made == ["B", "A"]
+
+
+def record_flow_batches(monkeypatch, pipeline) -> list[set[int]]:
+    """Patch the pipeline's batched flow call so that each call records which requests it held (one FlowPrompt
+    object per request); the returned list fills as the pipeline renders."""
+    batches: list[set[int]] = []
+    mels = pipeline._flow.mels
+
+    def recorded(prompts, token_rows, *preset):
+        batches.append({id(p) for p in prompts})
+        return mels(prompts, token_rows, *preset)
+
+    monkeypatch.setattr(pipeline._flow, "mels", recorded)
+    return batches

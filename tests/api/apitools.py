@@ -97,6 +97,28 @@ class Server:
         return total
 
 
+
+def assert_concurrent_requests_share_decode_steps(server: Server, text: str, voices: list[str],
+                                                  timeout: float) -> None:
+    """Four clients at once (two voices, four seeds): all answered, and their LLM decode steps ran batched across
+    requests (more than one row per step on average, from /metrics)."""
+    before = server.metric("cosyedge_decode_steps")
+    statuses: list[int] = []
+
+    def client(voice: str, seed: int) -> None:
+        body = {"text": text, "voice": voice, "seed": seed, "format": "pcm"}
+        statuses.append(server.post("/v1/tts", body, timeout=timeout)[0])
+
+    threads = [threading.Thread(target=client, args=(v, s)) for s, v in enumerate(voices * 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert statuses == [200] * 4
+    assert server.metric("cosyedge_decode_steps") > before
+    assert server.metric("cosyedge_decode_rows_mean") > 1.0
+
+
 @contextmanager
 def run_server(config: ServiceConfig, engine: Engine) -> Iterator[Server]:
     """The app served by waitress in a thread on a free port; closed (socket and loop) on exit."""

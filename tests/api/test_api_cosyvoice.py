@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 
-from apitools import api_config, run_server
+from apitools import api_config, assert_concurrent_requests_share_decode_steps, run_server
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
 
@@ -45,22 +45,7 @@ def _pcm(raw: bytes) -> np.ndarray:
 
 def test_concurrent_requests_share_llm_decode_steps(cv2_server):
     """Four clients at once: their LLM decode steps run batched (cross-request), visible in /metrics."""
-    import threading
-    results: list[int] = []
-
-    def client(voice: str, seed: int) -> None:
-        r = requests.post(cv2_server.url + "/v1/tts", timeout=T, json={"text": TEXT, "voice": voice, "seed": seed,
-                                                                       "format": "pcm"})
-        results.append(r.status_code)
-
-    threads = [threading.Thread(target=client, args=(v, s)) for s, v in enumerate(["tiny_spk_zh", "tiny_spk_en"] * 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(T)
-    assert results == [200] * 4
-    assert cv2_server.metric("cosyedge_decode_steps") > 0
-    assert cv2_server.metric("cosyedge_decode_rows_mean") > 1.0
+    assert_concurrent_requests_share_decode_steps(cv2_server, TEXT, ["tiny_spk_zh", "tiny_spk_en"], T)
 
 
 def test_voices_list_sft_and_zero_shot_entries(cv2_server):

@@ -4,7 +4,6 @@ cross-request decode batching visible in /metrics."""
 from __future__ import annotations
 
 import io
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -13,7 +12,7 @@ import pytest
 import requests
 import soundfile as sf
 
-from apitools import api_config, run_server
+from apitools import api_config, assert_concurrent_requests_share_decode_steps, run_server
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
 
@@ -119,19 +118,4 @@ def test_streaming_equals_the_engine(server, engine) -> None:
 
 
 def test_concurrent_requests_share_llm_decode_steps(server) -> None:
-    before = server.metric("cosyedge_decode_steps")
-    results: list[int] = []
-
-    def client(voice: str, seed: int) -> None:
-        r = requests.post(server.url + "/v1/tts", timeout=T, json={"text": TEXT, "voice": voice, "seed": seed,
-                                                                   "format": "pcm"})
-        results.append(r.status_code)
-
-    threads = [threading.Thread(target=client, args=(v, s)) for s, v in enumerate(["zs_full", "zs_2s"] * 2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(T)
-    assert results == [200] * 4
-    assert server.metric("cosyedge_decode_steps") > before
-    assert server.metric("cosyedge_decode_rows_mean") > 1.0
+    assert_concurrent_requests_share_decode_steps(server, TEXT, ["zs_full", "zs_2s"], T)

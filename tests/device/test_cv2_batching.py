@@ -14,7 +14,7 @@ import pytest
 from cosyedge.device.engine import Engine
 from cosyedge.device.options import SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
-from schedulertools import assert_concurrent_streams_match_alone, rows_per_step_delta
+from schedulertools import assert_concurrent_streams_match_alone, record_flow_batches, rows_per_step_delta
 
 ZH_VOICE, EN_VOICE, SFT_VOICE = "tiny_spk_zh", "tiny_spk_en", "tiny_sft_spk"
 
@@ -66,14 +66,7 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     assert max(shared) >= 4  # the four requests (five rows) decoded in common steps
     # audio: each job alone, then all four in one call
     alone = [engine.synthesize_many([job])[0] for job in jobs]
-    flow_rows: list[set[int]] = []
-    mels = pipeline._flow.mels
-
-    def recorded(prompts, token_rows, *preset):
-        flow_rows.append({id(p) for p in prompts})  # one FlowPrompt object per request
-        return mels(prompts, token_rows, *preset)
-
-    monkeypatch.setattr(pipeline._flow, "mels", recorded)
+    flow_rows = record_flow_batches(monkeypatch, pipeline)
     before = pipeline._decoder.stats()
     together = engine.synthesize_many(jobs)
     assert any(len(requests_in_call) > 1 for requests_in_call in flow_rows)

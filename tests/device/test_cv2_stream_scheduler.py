@@ -6,7 +6,6 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from cosyedge.device.cosyvoice2.streaming import ChunkGate

@@ -13,7 +13,7 @@ import pytest
 
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
-from schedulertools import assert_concurrent_streams_match_alone, assert_first_chunk_goes_first, rows_per_step_delta
+from schedulertools import assert_concurrent_streams_match_alone, record_flow_batches, assert_first_chunk_goes_first, rows_per_step_delta
 
 SYSTEM = "You are a helpful assistant.<|endofprompt|>"
 LONG = ("人工智能正在改变我们的生活方式。从智能手机上的语音助手，到自动驾驶汽车，再到医疗诊断系统，这些技术已经深入到社会的各个角"
@@ -53,14 +53,7 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     assert [g.results() for g in groups] == alone_tokens
     assert max(rows_per_step_delta(before, pipeline._decoder.stats())) >= 4   # four requests decoded in common steps
     alone = [engine.synthesize_many([job])[0] for job in jobs]
-    flow_rows: list[set[int]] = []
-    mels = pipeline._flow.mels
-
-    def recorded(prompts, token_rows, *preset):
-        flow_rows.append({id(p) for p in prompts})   # one FlowPrompt object per request
-        return mels(prompts, token_rows, *preset)
-
-    monkeypatch.setattr(pipeline._flow, "mels", recorded)
+    flow_rows = record_flow_batches(monkeypatch, pipeline)
     before = pipeline._decoder.stats()
     together = engine.synthesize_many(jobs)
     assert max(rows_per_step_delta(before, pipeline._decoder.stats())) > 1
