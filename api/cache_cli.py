@@ -99,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     warm_parser = actions.choices["warm"]
     warm_parser.add_argument("phrases")
     warm_parser.add_argument("--bundle", help="bundle directory (default: the service's)")
-    warm_parser.add_argument("--precision", help="fp32, fp16, int8 or auto (default: the service's)")
+    warm_parser.add_argument("--precision", help="fp32, fp16, int8, int4 or auto (default: the service's)")
     warm_parser.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
     warm_parser.add_argument("--voice")
     warm_parser.add_argument("--speed", type=float, default=1.0)

@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="TCP port (default 8100; 0 picks a free one)")
     p.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
     p.add_argument("--precision",
-                   help="fp32, fp16, int8 or auto (default: the best the machine and bundle offer)")
+                   help="fp32, fp16, int8, int4 or auto (default: the best the machine and bundle offer)")
     p.add_argument("--target", choices=TARGETS, help="a build target of the bundle instead of a precision")
     p.add_argument("--instance", type=int, help="GPU index of a templated unit: the port becomes port + instance")
     p.add_argument("--wyoming", metavar="URI", help="also serve the Wyoming protocol on this loopback address with the "

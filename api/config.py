@@ -13,12 +13,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from cosyedge.device.engine import PRECISIONS as ENGINE_PRECISIONS, TARGETS as ENGINE_TARGETS
 from cosyedge.device.errors import InputError
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
-PRECISIONS = ("auto", "fp32", "fp16", "int8")  # numeric formats
-TARGETS = ("cpu", "cpu-int4", "gpu-fp16", "trt-int8")  # build targets of `cosyedge quantize`
+PRECISIONS = ("auto", *ENGINE_PRECISIONS)  # numeric formats (the engine's list: one definition)
+TARGETS = ENGINE_TARGETS  # build targets of `cosyedge quantize`
 API_KEY_MIN, API_KEY_MAX = 16, 512
 API_KEY = re.compile(r"[\x21-\x7e]{%d,%d}" % (API_KEY_MIN, API_KEY_MAX))  # what fits in `Bearer <key>` unquoted
 
@@ -63,8 +64,8 @@ class ServiceConfig:
             (self.instance is None or 0 <= self.instance <= 99, "instance must be 0-99"),
             (0 <= self.effective_port <= 65535, "port + instance must be <= 65535"),
             (bool(self.host), "host must not be empty"),
-            (self.precision in PRECISIONS, "precision must be auto, fp32, fp16 or int8"),
-            (self.target is None or self.target in TARGETS, "target must be cpu, cpu-int4, gpu-fp16 or trt-int8"),
+            (self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}"),
+            (self.target is None or self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
             (self.target is None or self.precision == "auto", "give a precision or a target, not both"),
             (1 <= self.http_threads <= 1024, "http_threads must be 1-1024"),
             (1 <= self.queue_size <= 100000, "queue_size must be 1-100000"),

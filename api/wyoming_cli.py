@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="advertise over mDNS for Home Assistant discovery (needs the zeroconf package)")
     p.add_argument("--config", help="the service's TOML file (bundle, precision, state directory)")
     p.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
-    p.add_argument("--precision", help="fp32, fp16, int8 or auto")
+    p.add_argument("--precision", help="fp32, fp16, int8, int4 or auto")
     p.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
     add_options(p)
     p.set_defaults(func=cmd_wyoming)

@@ -64,6 +64,9 @@ def test_build_targets_are_given_as_target():
     """Issue 10: `serve` took no build target; now COSYEDGE_TARGET / --target do, and precision says where they go."""
     assert load_config(env={"COSYEDGE_TARGET": "gpu-fp16"}).target == "gpu-fp16"
     assert load_config(env={}, target="trt-int8").target == "trt-int8"
+    # the service takes every selection the engine does (one list: the 4-bit LLM target and precision included)
+    assert load_config(env={}, target="cpu-int4").target == "cpu-int4"
+    assert load_config(env={"COSYEDGE_PRECISION": "int4"}).precision == "int4"
     with pytest.raises(ConfigError, match="precision 'cpu' is a build target; give it as target"):
         load_config(env={"COSYEDGE_PRECISION": "cpu"})
     with pytest.raises(ConfigError, match="not both"):
