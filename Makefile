@@ -5,9 +5,12 @@ PIP     = $(VENV)/bin/pip install -q -c constraints.txt
 BIN     = $(VENV)/bin
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test fuzz load quantize bench bench-api serve system-deps runtime buildhost gpu-runtime gpu-check install-service clean
+.PHONY: demo test fuzz load hostile quantize bench bench-api serve system-deps runtime buildhost gpu-runtime gpu-check appliance install-service clean
 
-system-deps:  ## Debian packages: ffmpeg (pydub's encoder), systemd-analyze (unit checks)
+# The runtime needs no Debian package: mp3/opus/aac/flac use the system's ffmpeg if it has one, else the static one
+# of the imageio-ffmpeg wheel. The tests want ffmpeg on PATH (their decoders go through pydub + ffprobe) and
+# systemd-analyze (unit checks).
+system-deps:  ## Debian packages of the tests: ffmpeg + ffprobe (test decoders), systemd-analyze (unit checks)
 	@command -v ffmpeg >/dev/null && command -v systemd-analyze >/dev/null || \
 	  ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends ffmpeg systemd)
 
@@ -15,7 +18,7 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 
-runtime: system-deps $(VENV)/bin/python  ## the device runtime + API: numpy and ONNX Runtime, no torch
+runtime: $(VENV)/bin/python  ## the device runtime + API: numpy and ONNX Runtime, no torch
 	$(PIP) -e .
 
 buildhost: system-deps $(VENV)/bin/python  ## everything, including the build-host tools (torch 2.13.0 CPU) and tests
@@ -39,22 +42,26 @@ demo: runtime  ## speak a sentence with the embedded default voice into demo.wav
 	$(BIN)/cosyedge synth "Hello! This is cosyedge, speaking offline from this box. No network was needed." -o demo.wav
 	@echo "wrote demo.wav"
 
-test: buildhost  ## the whole test suite (what CI runs)
-	$(BIN)/python -m pytest -q -rs $(PYTEST_ARGS)
+test: buildhost  ## the whole test suite (what CI runs), with its 30 slowest tests listed
+	$(BIN)/python -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
 
 FUZZ_REQUESTS ?= 10000
 FUZZ_SEED ?= 0
 fuzz: buildhost  ## schemathesis campaign against a fresh service's /openapi.json (FUZZ_REQUESTS, FUZZ_SEED); figures in fuzz.json
-	$(BIN)/python -m cosyedge.api.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED) --json fuzz.json $(FUZZ_ARGS)
+	$(BIN)/python -m cosyedge.api.bench.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED) --json fuzz.json $(FUZZ_ARGS)
 
 LOAD_CLIENTS ?= 64
 LOAD_SECONDS ?= 60
 load: buildhost  ## LOAD_CLIENTS concurrent clients for LOAD_SECONDS against a fresh default-voice service; figures in load.json
-	$(BIN)/python -m cosyedge.api.load --clients $(LOAD_CLIENTS) --seconds $(LOAD_SECONDS) --json load.json $(LOAD_ARGS)
+	$(BIN)/python -m cosyedge.api.bench.load --clients $(LOAD_CLIENTS) --seconds $(LOAD_SECONDS) --json load.json $(LOAD_ARGS)
+
+HOSTILE_SECONDS ?= 300
+hostile: buildhost  ## slowloris, malformed / cross-site floods, idle WebSockets and clients at once for HOSTILE_SECONDS against a fresh default-voice service, /healthz probed; figures in hostile.json
+	$(BIN)/python -m cosyedge.api.bench.hostile --seconds $(HOSTILE_SECONDS) --json hostile.json $(HOSTILE_ARGS)
 
 MODEL_DIR ?=
 OUT ?= bundles/$(notdir $(abspath $(MODEL_DIR)))
-TARGETS ?= cpu,gpu-fp16,trt-int8
+TARGETS ?= cpu,cpu-int4,gpu-fp16,trt-int8
 ALLOW_FALLBACK ?= 1
 quantize: buildhost  ## no MODEL_DIR: the default voice's bundle; MODEL_DIR=<official release>: a CosyVoice bundle in $(OUT) with fp32 + TARGETS
 ifeq ($(MODEL_DIR),)
@@ -73,8 +80,17 @@ bench-api: runtime  ## the HTTP API: single-client latency and 16-client through
 serve: runtime  ## the HTTP API on 127.0.0.1:8100
 	$(BIN)/cosyedge serve
 
-install-service:  ## venv in /opt/cosyedge, units, /etc/cosyedge/cosyedge.env (see systemd/README.md)
-	$(SUDO) systemd/install.sh
+# The offline artefact of a box (docs/deploy.md): wheelhouse for PLATFORM and this Python, default voice, BUNDLES
+# (space-separated bundle directories), units, install.sh. Runs pip download: a connected build host.
+PLATFORM ?= linux-$(shell uname -m)
+BUNDLES ?=
+APPLIANCE ?= cosyedge-$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)-$(PLATFORM).tar
+appliance: runtime  ## one tar a box installs from with no network: make appliance PLATFORM=linux-aarch64 [BUNDLES=...]
+	$(BIN)/cosyedge appliance build --platform $(PLATFORM) $(foreach b,$(BUNDLES),--bundle $(b)) --out $(APPLIANCE) --force
+
+install-service: appliance  ## this machine's artefact, installed: venv in /opt/cosyedge, units, env file (systemd/README.md)
+	rm -rf .appliance && mkdir .appliance && tar -xf $(APPLIANCE) -C .appliance
+	$(SUDO) env $(if $(wildcard $(ORT_GPU)),ORT_GPU=$(abspath $(ORT_GPU))) .appliance/*/install.sh  # ORT_GPU: a wheel file
 
 clean:
-	rm -rf $(VENV) demo.wav fuzz.json load.json bundles *.egg-info
+	rm -rf $(VENV) demo.wav fuzz.json load.json bundles *.egg-info .appliance cosyedge-*-linux-*.tar

@@ -2,8 +2,8 @@
 
 `create_app(config, engine=None)` builds the app; with an engine it is ready at once, otherwise
 `app.extensions["cosyedge"].start(engine)` makes it ready once the voice is loaded (the server
-does this so /healthz answers while the voice loads). Request threads validate, queue and
-encode; only the batch queue's worker thread runs the engine.
+does this so /healthz answers while the voice loads). Request threads validate, admit, journal and
+encode; only the threads of the engine's door (`device/door.py`) run the engine.
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import uuid
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from cosyedge.api import cache, websocket
+from cosyedge.api import cache
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.errors import ApiError
 from cosyedge.api.routes import BLUEPRINTS, SYNTHESIS_ENDPOINTS
-from cosyedge.api.security import Guard
+from cosyedge.api.security import Guard, HostRules
 from cosyedge.api.service import Service
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import CosyedgeError, InputError
@@ -36,7 +36,8 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = max(1 << 20, config.max_batch_items * config.max_text_len * 4 + (64 << 10))
     service = Service(config)
     app.extensions["cosyedge"] = service
-    guard = Guard(config.api_key, config.max_streams_per_client, config.log_request_text)
+    guard = Guard(config.api_key, config.max_streams_per_client, config.log_request_text,
+                  HostRules(config.host, config.allowed_hosts))
     app.extensions["cosyedge_guard"] = guard
     app.url_map.merge_slashes = False  # "//etc/x" is a 404, not a redirect to another path
     metrics = service.metrics
@@ -49,6 +50,9 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         g.request_id = uuid.uuid4().hex[:16]
         if len(request.headers) > MAX_HEADERS:
             raise ApiError(431, "too_many_headers", f"the request has more than {MAX_HEADERS} header lines")
+        # DNS rebinding and cross-site requests, before the key: the WebSocket handshake is a request here too
+        guard.hosts.check(request.endpoint, request.method, request.headers.get("Host"),
+                          request.headers.get("Origin"), request.headers.get("Upgrade"))
         # the identity is the valid key's (one client) or the peer address, never a header the client made up
         g.client = guard.auth.client(request.endpoint, request.headers.get("Authorization"), request.remote_addr)
         if service.limiter is not None and request.endpoint in SYNTHESIS_ENDPOINTS:
@@ -97,7 +101,7 @@ def create_app(config: ServiceConfig, engine: Engine | None = None) -> Flask:
         log.exception("unhandled error in request %s", g.get("request_id", "?"))
         return ApiError(500, "internal_error", f"internal error (request {g.get('request_id', '?')})").response()
 
-    for blueprint in (*BLUEPRINTS, websocket.blueprint):
+    for blueprint in BLUEPRINTS:
         app.register_blueprint(blueprint)
     if engine is not None:
         service.start(engine)

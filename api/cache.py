@@ -236,14 +236,15 @@ def answer(engine: Engine, job, speak: Callable[[], Response]) -> Response:
     """`speak()`'s answer to the job, or the cached one; says which in `X-Cosyedge-Cache` (streams: always miss)."""
     http: HttpCache | None = current_app.extensions.get(EXTENSION)
     try:
-        key = None if http is None or job.stream else http.cache.key(engine, job.segments, job.options, job.format)
+        key = None if http is None or job.stream else http.cache.key(engine, job.segments, job.options, job.format,
+                                                                     job.sample_rate)
     except OSError:  # a registered voice's file vanished under us: answer uncached
         key = None
     entry = http.cache.get(key) if key else None
     if entry is not None:
         http.hits.inc()
         return Response(entry.audio, content_type=entry.content_type, headers={
-            "X-Sample-Rate": str(engine.sample_rate), "Cache-Control": "no-store",
+            "X-Sample-Rate": str(job.rate(engine.sample_rate)), "Cache-Control": "no-store",
             "X-Audio-Seconds": f"{entry.audio_seconds:.3f}", HEADER: "hit"})
     response = speak()
     if key and response.status_code == 200 and not response.is_streamed:

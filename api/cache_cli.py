@@ -13,7 +13,8 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from cosyedge.device.errors import CosyedgeError, InputError
+from cosyedge.device.errors import InputError
+from cosyedge.device.request import CACHE_WARM, add_flags
 
 if TYPE_CHECKING:
     from cosyedge.api.config import ServiceConfig
@@ -30,40 +31,39 @@ def _config(args: argparse.Namespace) -> "ServiceConfig":
 
 def warm(args: argparse.Namespace) -> int:
     from cosyedge.api.cache import FOLDER, Entry, content_type, open_cache
-    from cosyedge.api.server import load_engine
-    from cosyedge.device import encode, read_lines, run_lines, to_audio_segment
+    from cosyedge.api.service import load_engine, voice_aliases
+    from cosyedge.device import Door, Job, collect, read_lines, request, run_lines
+    from cosyedge.device.audio import encode_wave
+    from cosyedge.device.paths import make_dir
     config = _config(args)
     if config.cache_max_mb <= 0:
         raise InputError("the phrase cache is off (cache_max_mb = 0); nothing to warm")
     lines = read_lines(Path(args.phrases))
     cache = open_cache(config.state_dir, config.cache_max_mb)
     engine = load_engine(config)
-    options = engine.options(voice=args.voice, speed=args.speed, deterministic=args.deterministic, seed=args.seed,
-                             sampling=args.sampling)
+    job = request.parse(request.cli_values(args, request.CACHE_WARM), request.CACHE_WARM, engine,
+                        voice_aliases(config, engine))  # what a request with these fields gets
+    options, fmt = job.options, job.format
     if not engine.reproducible(options):
         raise InputError("these options do not give the same audio twice, so the service would never serve them "
                          "from the cache; add --seed N (or --deterministic, and for CosyVoice --sampling greedy)")
     rate = engine.sample_rate
 
     def key(line: "Line") -> str:
-        return cache.key(engine, engine.segments(line.text), options, args.format) or ""
+        return cache.key(engine, engine.segments(line.text), options, fmt, job.sample_rate) or ""
 
     def render(line: "Line") -> float:
-        segments = engine.segments(line.text)
-        wave = engine.synthesize_many([(segments, options)])[0]  # what the service's queue runs for one request
-        audio = encode(to_audio_segment(wave, rate), args.format)
+        work = Job(engine.segments(line.text), options, chunked=False)  # what the service's door runs for a file
+        wave = collect(door.stream(work))
+        audio = encode_wave(wave, rate, fmt, job.sample_rate)
         seconds = round(len(wave) / rate, 3)
-        cache.put(key(line), Entry(audio, content_type(args.format, rate), seconds))
+        cache.put(key(line), Entry(audio, content_type(fmt, job.rate(rate)), seconds))
         return seconds
 
-    def done(line: "Line") -> bool:
-        try:
-            return cache.has(key(line))
-        except CosyedgeError:
-            return False  # an unusable line: render() sends it to the dead-letter file
-
-    cache.root.mkdir(parents=True, exist_ok=True)
-    summary = run_lines(lines, render, done, cache.root / DEAD_LETTER, progress=not args.quiet)
+    make_dir(cache.root, "phrase cache folder")
+    with Door(engine) as door:
+        summary = run_lines(lines, render, lambda line: cache.has(key(line)), cache.root / DEAD_LETTER,
+                            progress=not args.quiet)
     print(json.dumps({**summary, **cache.stats()}))
     if summary["failed"]:
         print(f"{summary['failed']} line(s) failed; see {FOLDER}/{DEAD_LETTER} in the state directory", file=sys.stderr)
@@ -101,10 +101,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     warm_parser.add_argument("--bundle", help="bundle directory (default: the service's)")
     warm_parser.add_argument("--precision", help="fp32, fp16, int8, int4 or auto (default: the service's)")
     warm_parser.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
-    warm_parser.add_argument("--voice")
-    warm_parser.add_argument("--speed", type=float, default=1.0)
-    warm_parser.add_argument("--format", default="wav", choices=["wav", "mp3", "flac", "opus", "aac", "pcm"])
-    warm_parser.add_argument("--deterministic", action="store_true", help="no sampling noise (as the request's field)")
-    warm_parser.add_argument("--seed", type=int)
-    warm_parser.add_argument("--sampling", choices=["default", "greedy"], default="default")
+    add_flags(warm_parser, CACHE_WARM)  # the request declaration's fields, as a request would send them
     warm_parser.add_argument("--quiet", action="store_true", help="no progress bar")

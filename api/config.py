@@ -15,13 +15,15 @@ from typing import Any, Mapping
 
 from cosyedge.device.engine import PRECISIONS as ENGINE_PRECISIONS, TARGETS as ENGINE_TARGETS
 from cosyedge.device.errors import InputError
+from cosyedge.device.paths import read_text
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
-OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 PRECISIONS = ("auto", *ENGINE_PRECISIONS)  # numeric formats (the engine's list: one definition)
 TARGETS = ENGINE_TARGETS  # build targets of `cosyedge quantize`
+HTTP_THREADS_MAX = 1024
 API_KEY_MIN, API_KEY_MAX = 16, 512
 API_KEY = re.compile(r"[\x21-\x7e]{%d,%d}" % (API_KEY_MIN, API_KEY_MAX))  # what fits in `Bearer <key>` unquoted
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62})(\.[a-z0-9]([a-z0-9-]{0,62}))*")
 
 
 class ConfigError(InputError):
@@ -38,9 +40,9 @@ class ServiceConfig:
     precision: str = "auto"              # numeric format: auto, fp32, fp16, int8
     target: str | None = None            # build target instead: cpu, gpu-fp16, trt-int8
     http_threads: int = 32               # waitress worker threads (concurrent requests, streams included)
-    queue_size: int = 64                 # synthesis items waiting for the engine; beyond it: 503
-    batch_max: int = 8                   # items per engine call
-    batch_timeout_ms: float = 20.0       # longest wait for more items after the oldest one arrived
+    queue_size: int = 64                 # requests in flight, every protocol (admission.py); beyond it: 503
+    batch_max: int = 8                   # CosyVoice: rows decoded together, whole-file requests started together
+    batch_timeout_ms: float = 20.0       # CosyVoice, idle engine: how long a whole-file request waits for company
     max_text_len: int = 2000             # characters per text; beyond it: 413
     max_batch_items: int = 64            # texts per /v1/tts/batch request
     request_timeout_s: float = 60.0      # deadline for work to start; beyond it: 504
@@ -53,9 +55,13 @@ class ServiceConfig:
     log_request_text: bool = False       # the slow-request log line includes the request's text
     cache_max_mb: float = 256.0          # phrase cache of reproducible requests (state dir); 0 = off
     wyoming_uri: str | None = None       # also serve the Wyoming protocol here (tcp://127.0.0.1:10200); loopback only
+    wyoming_max_connections: int = 64    # Wyoming connections open at once; beyond: an error event and a close
+    wyoming_idle_timeout_s: float = 60.0  # a Wyoming connection with nothing received nor being spoken is closed
+    allowed_hosts: tuple[str, ...] = ()  # Host names clients use besides loopback, the bind host and this machine's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "voice_aliases", MappingProxyType(dict(self.voice_aliases)))
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().rstrip(".") for h in self.allowed_hosts))
         if self.precision in TARGETS:
             raise ConfigError(f"configuration: precision {self.precision!r} is a build target; "
                               f"give it as target (--target, COSYEDGE_TARGET)")
@@ -67,7 +73,7 @@ class ServiceConfig:
             (self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}"),
             (self.target is None or self.target in TARGETS, f"target must be one of {', '.join(TARGETS)}"),
             (self.target is None or self.precision == "auto", "give a precision or a target, not both"),
-            (1 <= self.http_threads <= 1024, "http_threads must be 1-1024"),
+            (1 <= self.http_threads <= HTTP_THREADS_MAX, f"http_threads must be 1-{HTTP_THREADS_MAX}"),
             (1 <= self.queue_size <= 100000, "queue_size must be 1-100000"),
             (1 <= self.batch_max <= 1024, "batch_max must be 1-1024"),
             (0 <= self.batch_timeout_ms <= 10000, "batch_timeout_ms must be 0-10000"),
@@ -77,6 +83,8 @@ class ServiceConfig:
             (0 <= self.rate_limit_per_s and math.isfinite(self.rate_limit_per_s), "rate_limit_per_s must be >= 0"),
             (self.rate_limit_burst >= 1, "rate_limit_burst must be >= 1"),
             (1 <= self.max_streams_per_client <= 10000, "max_streams_per_client must be 1-10000"),
+            (1 <= self.wyoming_max_connections <= 100000, "wyoming_max_connections must be 1-100000"),
+            (0 < self.wyoming_idle_timeout_s <= 86400, "wyoming_idle_timeout_s must be in (0, 86400]"),
             (self.wyoming_uri is None or self.wyoming_uri.startswith("tcp://"), "wyoming_uri must be tcp://HOST:PORT"),
             (0 <= self.cache_max_mb <= 1_000_000 and math.isfinite(self.cache_max_mb), "cache_max_mb must be 0-1000000"),
             (self.api_key is None or API_KEY.fullmatch(self.api_key) is not None,
@@ -86,6 +94,9 @@ class ServiceConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(f"configuration: {message}")
+        if not all(_HOST_NAME.fullmatch(h) for h in self.allowed_hosts):
+            raise ConfigError("configuration: allowed_hosts must be host names (letters, digits, '-', '.'), "
+                              "without a scheme or port")
         for alias, target in self.voice_aliases.items():
             if not isinstance(alias, str) or not isinstance(target, str) or not alias or not target:
                 raise ConfigError("configuration: voice_aliases must map names to voice names")
@@ -110,8 +121,10 @@ _ENV = {  # environment variable -> field
     "COSYEDGE_VOICE_ALIASES": "voice_aliases", "COSYEDGE_STATE_DIR": "state_dir",
     "COSYEDGE_API_KEY": "api_key", "COSYEDGE_MAX_STREAMS_PER_CLIENT": "max_streams_per_client",
     "COSYEDGE_LOG_REQUEST_TEXT": "log_request_text", "COSYEDGE_CACHE_MAX_MB": "cache_max_mb",
-    "COSYEDGE_WYOMING_URI": "wyoming_uri",
+    "COSYEDGE_WYOMING_URI": "wyoming_uri", "COSYEDGE_WYOMING_MAX_CONNECTIONS": "wyoming_max_connections",
+    "COSYEDGE_WYOMING_IDLE_TIMEOUT_S": "wyoming_idle_timeout_s", "COSYEDGE_ALLOWED_HOSTS": "allowed_hosts",
 }
+CONFIG_MAX_BYTES = 1 << 20  # a TOML file of the service is a few hundred bytes
 API_KEY_FILE_ENV = "COSYEDGE_API_KEY_FILE"  # a file holding the key (systemd: LoadCredential=), read once at start
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 _TYPES = {f.name: f.type for f in fields(ServiceConfig)}
@@ -130,6 +143,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if not isinstance(value, dict):
                 raise ValueError("expected a table")
             return dict(value)
+        if name == "allowed_hosts":  # "kiosk.lan,box.example" or a TOML list
+            names = value.split(",") if isinstance(value, str) else value
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError("expected host names separated by commas, or a list of them")
+            return tuple(n for n in (n.strip() for n in names) if n)
         if value == "" and "None" in kind:
             return None
         if kind == "bool":
@@ -181,10 +199,8 @@ def load_config(path: Path | str | None = None, env: Mapping[str, str] | None = 
     if path is not None:
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"configuration file {path.name!r} does not exist") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            data = tomllib.loads(read_text(path, "configuration file", CONFIG_MAX_BYTES, ConfigError))
+        except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"configuration file {path.name!r} is not valid TOML: {exc}") from None
         table = data.get("cosyedge", data)  # either top-level keys or a [cosyedge] table
         for key, value in table.items():

@@ -9,9 +9,10 @@ from flask import Response, jsonify
 
 from cosyedge.device.errors import CosyedgeError
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 405: "invalid_request_error",
-          409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-          429: "rate_limit_error", 431: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "invalid_request_error", 413: "invalid_request_error", 414: "invalid_request_error",
+          415: "invalid_request_error", 417: "invalid_request_error", 429: "rate_limit_error", 431: "invalid_request_error",
           500: "server_error", 503: "overloaded_error", 504: "timeout_error"}
 
 # device error code -> (HTTP status, the API's error code). The API keeps its documented codes; only the
@@ -26,10 +27,21 @@ DEVICE_ERRORS: dict[str, tuple[int, str]] = {
     "text_too_long": (413, "text_too_long"),
     "unknown_voice": (400, "unknown_voice"),
     "unknown_preset": (400, "unknown_preset"),
+    "unknown_field": (400, "unknown_field"),
+    "speed_out_of_range": (400, "speed_out_of_range"),
+    "unknown_format": (400, "unknown_format"),
+    "unsupported_sample_rate": (400, "unsupported_sample_rate"),
+    "unknown_model": (400, "unknown_model"),
     "invalid_voice": (400, "invalid_voice"),
+    "voice_name_reserved": (400, "voice_name_reserved"),
     "voice_exists": (409, "voice_exists"),
     "voice_not_found": (404, "voice_not_found"),
     "fixed_voices": (400, "fixed_voices"),
+    "encoding_failed": (500, "encoding_failed"),
+    "unsupported_option": (400, "unsupported_option"),
+    "synthesis_failed": (500, "synthesis_failed"),
+    "deadline_exceeded": (504, "deadline_exceeded"),
+    "shutting_down": (503, "shutting_down"),
 }
 
 
@@ -63,11 +75,6 @@ class ApiError(Exception):
 class QueueFull(ApiError):
     def __init__(self, retry_after: int) -> None:
         super().__init__(503, "queue_full", "the synthesis queue is full; retry later", retry_after)
-
-
-class DeadlineExceeded(ApiError):
-    def __init__(self) -> None:
-        super().__init__(504, "deadline_exceeded", "the request waited longer than its deadline before work could start")
 
 
 class NotReady(ApiError):

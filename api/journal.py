@@ -7,7 +7,9 @@ starts, so a SIGKILL cannot lose them; at the next start `recover()` moves every
 to the dead-letter file with the reason, then starts a fresh journal. Both files are JSON Lines; a torn last
 line (a kill mid-write) is skipped. The journal holds the request parameters only (text, voice, speed,
 format), never audio, and only while the request is open: it is rewritten with just the open entries once it
-grows past 1 MiB.
+is past 1 MiB and more than twice their size, so each rewrite follows at least as many appended bytes as it
+writes (work proportional to what is appended, not to the file: 3,000 open entries closed one by one rewrite the
+file about a dozen times, not 3,000).
 
 Several services may share one state directory (the templated units share `StateDirectory=`): each process
 holds an exclusive POSIX lock (`lockf`) on `.<journal>.lock` while it runs, takes `inflight.jsonl` if it is free and an
@@ -24,6 +26,7 @@ import logging
 import os
 import re
 import threading
+from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 DEAD_LETTER = "api_dead_letter.jsonl"
 INFLIGHT = "inflight.jsonl"
 CRASHED = "the service stopped before this request was answered (killed or crashed); not synthesised"
-_COMPACT_BYTES = 1 << 20  # a journal larger than this is rewritten with only its open entries
+_COMPACT_BYTES = 1 << 20  # a journal larger than this (and than twice its open entries) keeps only the open ones
 _MODE = 0o640  # request text is in these files: owner and group (the unit's StateDirectoryMode) only
 
 
@@ -101,8 +104,10 @@ class Journal:
         self._stem = name.split(".")[0].split("-")[0]  # inflight.jsonl and inflight-<pid>-<n>.jsonl
         self._lock = threading.Lock()
         self._open: dict[str, dict[str, Any]] = {}  # key -> its `accepted` record
+        self._sizes: dict[str, int] = {}  # key -> bytes of its `accepted` line
         self._owner: IO[bytes] | None = None
-        self._bytes = 0
+        self._bytes = 0  # the journal file's size
+        self._open_bytes = 0  # what a rewrite would write: the open entries' lines
 
     # -- ownership ---------------------------------------------------------------------------
     def _claim(self) -> None:
@@ -165,10 +170,10 @@ class Journal:
         temp = _temp_path(self.inflight_path)
         temp.unlink(missing_ok=True)
         if records:
-            self._bytes = _append(temp, records)
+            self._bytes = self._open_bytes = _append(temp, records)
         else:
             temp.touch(_MODE)
-            self._bytes = 0
+            self._bytes = self._open_bytes = 0
         os.replace(temp, self.inflight_path)
 
     # -- requests ----------------------------------------------------------------------------
@@ -180,8 +185,10 @@ class Journal:
             record["key"] = key
         with self._lock:
             self._claim()
-            self._bytes += _append(self.inflight_path, [record])
-            self._open[key] = record
+            size = _append(self.inflight_path, [record])
+            self._bytes += size
+            self._open_bytes += size - self._sizes.get(key, 0)
+            self._open[key], self._sizes[key] = record, size
         return key
 
     def finished(self, key: str) -> None:
@@ -189,8 +196,9 @@ class Journal:
         with self._lock:
             if self._open.pop(key, None) is None:
                 return
+            self._open_bytes -= self._sizes.pop(key, 0)
             self._bytes += _append(self.inflight_path, [{"event": "finished", "key": key}])
-            if self._bytes > _COMPACT_BYTES:
+            if self._bytes > max(_COMPACT_BYTES, 2 * self._open_bytes):
                 self._rewrite(list(self._open.values()))
 
     def dead_letter(self, route: str, request_id: str, payload: dict[str, Any], detail: str,
@@ -212,3 +220,47 @@ class Journal:
     def open_count(self) -> int:
         with self._lock:
             return len(self._open)
+
+
+class PieceJournal:
+    """The journal entries of one streaming request's text pieces (a WebSocket session's `text` messages, a Wyoming
+    stream's `synthesize-chunk`s): each piece is journalled when it arrives, before anything else happens to it, and
+    closed once the non-space characters of the sentences spoken reach its end (the sentence splitter keeps every
+    non-space character of a speakable sentence). Thread-safe: a connection's reader accepts, its speaker closes."""
+
+    def __init__(self, journal: Journal, route: str, request_id: str) -> None:
+        self.journal, self.route, self.request_id = journal, route, request_id
+        self._lock = threading.Lock()
+        self._open: deque[tuple[str, dict[str, Any], int]] = deque()  # key, payload, cumulative end
+        self._received = self._spoken = self._pieces = 0
+
+    def accept(self, piece: str, payload: dict[str, Any]) -> None:
+        """Journal a piece (OSError: the journal cannot be written, the piece is refused)."""
+        with self._lock:
+            key = f"{self.request_id}-{self._pieces}"
+            payload = {"text": piece, **payload}
+            self.journal.accepted(self.request_id, self.route, payload, key)
+            self._pieces += 1
+            self._received += _chars(piece)
+            self._open.append((key, payload, self._received))
+
+    def spoke(self, sentence: str) -> None:
+        """A sentence's audio was delivered: close the pieces it completes."""
+        with self._lock:
+            self._spoken += _chars(sentence)
+            while self._open and self._open[0][2] <= self._spoken:
+                self.journal.finished(self._open.popleft()[0])
+
+    def close(self, detail: str | None) -> None:
+        """Every open piece: delivered or withdrawn by the client (detail None), else dead-lettered with `detail`."""
+        with self._lock:
+            left, self._open = list(self._open), deque()
+        for key, payload, _ in left:
+            if detail is None:
+                self.journal.finished(key)
+            else:
+                self.journal.dead_letter(self.route, self.request_id, payload, detail, key)
+
+
+def _chars(text: str) -> int:
+    return sum(not c.isspace() for c in text)

@@ -5,11 +5,13 @@ bench) without their metrics colliding. Callers name metrics by their exposed na
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+from cosyedge.device.options import Stat
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -35,14 +37,10 @@ _HISTOGRAMS = {  # name -> (help, label names, buckets)
                                              LATENCY_BUCKETS),
 }
 GAUGES = {  # name -> help; read at scrape time from what `Metrics.gauge` registers (0 until then)
-    "cosyedge_queue_depth": "synthesis items waiting for the engine",
+    "cosyedge_queue_depth": "jobs handed to the engine's door whose work has not started",
     "cosyedge_ready": "1 once the voice is loaded and warmed up",
     "cosyedge_rtf": "real-time factor so far: compute seconds / audio seconds",
-    "cosyedge_decode_steps": "CosyVoice: batched LLM decode steps run so far",
-    "cosyedge_decode_rows_mean": "CosyVoice: mean requests' rows per LLM decode step (cross-request batching)",
-    "cosyedge_decode_active_rows": "CosyVoice: rows decoding right now",
-    "cosyedge_decode_rows_cancelled": "CosyVoice: decode rows withdrawn before their end (clients that left)",
-    "cosyedge_in_flight": "requests waiting, rendering or streaming (continuous batching; else waiting)",
+    "cosyedge_in_flight": "requests admitted and not yet delivered, every door together (queue_size bounds it)",
 }
 OCCUPANCY = ("cosyedge_decode_rows_per_step", "CosyVoice: rows decoded together per LLM decode step (occupancy)")
 
@@ -77,6 +75,11 @@ class Metrics:
         """Where the decode-row occupancy histogram comes from: steps by rows (`Engine.decode_occupancy`)."""
         self._occupancy.read = read
 
+    def engine_stats(self, read: Callable[[], Mapping[str, Stat]]) -> None:
+        """The engine's own gauges (`Engine.stats()`), each exposed as `cosyedge_<name>` with the engine's help
+        text: the service names none of them."""
+        self.registry.register(_EngineGauges(read))
+
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (0 if it has none yet): for tests and the bench."""
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -88,6 +91,20 @@ class Metrics:
         audio = self.value("cosyedge_audio_seconds_total")
         return self.value("cosyedge_compute_seconds_total") / audio if audio else 0.0
 
+
+
+class _EngineGauges:
+    """Whatever gauges the engine reports, read at scrape time."""
+
+    def __init__(self, read: Callable[[], Mapping[str, Stat]]) -> None:
+        self.read = read
+
+    def describe(self) -> list:
+        return []  # names known only once an engine is loaded
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(f"cosyedge_{name}", stat.help, value=stat.value)
+                for name, stat in sorted(self.read().items())]
 
 
 class _CountHistogram:

@@ -1,18 +1,20 @@
-"""The OpenAPI 3.1 description served at /openapi.json; a test keeps it equal to the app's routes."""
+"""The OpenAPI 3.1 description served at /openapi.json; a test keeps it equal to the app's routes.
+
+The synthesis bodies are generated from the request declaration (`cosyedge.device.request.FIELDS`): each
+route's properties are its door's fields under its door's names, and no other property is accepted."""
 from __future__ import annotations
 
 from typing import Any
 
-from cosyedge.api.config import OPENAI_MODELS, OPENAI_VOICES, ServiceConfig
-from cosyedge.device.audio import FORMATS
-from cosyedge.device.options import SEED_MAX, SPEED_RANGE
+from cosyedge.api.config import OPENAI_VOICES, ServiceConfig
+from cosyedge.device import request as declaration
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
-    text = {400: "invalid JSON (also nested too deep or a number too long), parameter, voice, format, speed or "
-                 "empty text", 404: "unknown route or voice",
+    text = {400: "invalid JSON (also nested too deep or a number too long), an unknown field, a parameter, voice, "
+                 "format, speed, sample rate or empty text", 404: "unknown route or voice",
             413: "text longer than max_text_len, too many batch items, or body too large",
             401: "API key missing or wrong (only when the service has one; WWW-Authenticate: Bearer)",
             415: "Content-Type is not application/json",
@@ -34,53 +36,60 @@ _SYNTH_ERRORS = (400, 401, 413, 415, 429, 431, 500, 503, 504)
 PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/page.js", "/page.css")  # probes and the page's static files: no key
 
 
+def _property(field: declaration.Field, door: str, config: ServiceConfig) -> dict[str, Any]:
+    """One field's JSON Schema on one door."""
+    schema: dict[str, Any] = {"description": field.doc}
+    if field.kind in ("text", "string", "voice"):
+        schema["type"] = "string"
+    elif field.kind == "choice":
+        schema["enum"] = list(field.choices)
+    else:
+        schema["type"] = field.kind
+    if field.bounds is not None:
+        schema["minimum"], schema["maximum"] = field.bounds
+    if field.kind == "text":
+        schema.update(minLength=1, maxLength=config.max_text_len)
+    if field.name == "model":
+        schema["examples"] = list(declaration.OPENAI_MODELS)
+    if field.name == "voice" and door == declaration.SPEECH:
+        schema["examples"] = list(OPENAI_VOICES)
+    default = field.default_for(door)
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _body(door: str, config: ServiceConfig, **extra: dict[str, Any]) -> dict[str, Any]:
+    """A synthesis route's request body: its door's fields (`extra`: the route's own, such as batch texts)."""
+    properties = {field.wire_name(door): _property(field, door, config) for field in declaration.fields(door)}
+    properties.update(extra)
+    required = [declaration.BY_NAME["text"].wire_name(door)] if door != declaration.BATCH else list(extra)
+    return {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "required": required, "properties": properties, "additionalProperties": False}}}}
+
+
 def _json(schema: dict[str, Any], description: str = "OK") -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
 def spec(config: ServiceConfig) -> dict[str, Any]:
-    speed = {"type": "number", "minimum": SPEED_RANGE[0], "maximum": SPEED_RANGE[1], "default": 1.0}
-    text = {"type": "string", "minLength": 1, "maxLength": config.max_text_len,
-            "description": "emoji and unpronounceable symbols are removed, not rejected"}
-    voice = {"type": "string", "description": "a local voice name, a numeric speaker id as text, or an alias"}
-    native = {"voice": voice, "speaker_id": {"type": "integer", "minimum": 0}, "speed": speed,
-              "deterministic": {"type": "boolean", "default": False}, "seed": {"type": "integer", "minimum": 0, "maximum": SEED_MAX},
-              "mode": {"enum": ["zero_shot", "sft", "cross_lingual", "instruct2"],
-                       "description": "CosyVoice bundles: inference mode (default: the voice's own)"},
-              "instruct_text": {"type": "string", "description": "CosyVoice instruct2: how to speak"},
-              "sampling": {"enum": ["default", "greedy"], "default": "default"},
-              "preset": {"type": "string", "description": "CosyVoice2 flow quality preset: official (default) or a "
-                                                          "faster one the bundle lists (`cosyedge info`: config.presets)"}}
+    texts = {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": config.max_batch_items}
     document = {
         "openapi": "3.1.0",
         "info": {"title": "cosyedge", "version": "1", "description": "Offline text-to-speech on localhost"},
         "paths": {
             "/v1/audio/speech": {"post": {
-                "summary": "OpenAI-compatible speech",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["input"],
-                    "properties": {"model": {"type": "string", "examples": list(OPENAI_MODELS), "default": "tts-1"},
-                                   "input": text,
-                                   "voice": {**voice, "examples": list(OPENAI_VOICES)},
-                                   "response_format": {"enum": list(FORMATS), "default": "mp3"},
-                                   "speed": speed, "stream": {"type": "boolean", "default": False},
-                                   "stream_format": {"enum": ["audio"]}, "instructions": {"type": "string"},
-                                   "preset": native["preset"]}}}}},
+                "summary": "OpenAI-compatible speech; the extension fields (seed, deterministic, sampling, preset, "
+                           "mode, ...) as the OpenAI SDK sends them in extra_body",
+                "requestBody": _body(declaration.SPEECH, config),
                 "responses": {"200": _AUDIO, **_errors(*_SYNTH_ERRORS)}}},
             "/v1/tts": {"post": {
                 "summary": "Speak one text",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["text"],
-                    "properties": {"text": text, **native, "format": {"enum": list(FORMATS), "default": "wav"},
-                                   "stream": {"type": "boolean", "default": False}}}}}},
+                "requestBody": _body(declaration.TTS, config),
                 "responses": {"200": _AUDIO, **_errors(*_SYNTH_ERRORS)}}},
             "/v1/tts/batch": {"post": {
                 "summary": "Speak many texts; each item succeeds or fails on its own",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["texts"],
-                    "properties": {"texts": {"type": "array", "items": {"type": "string"}, "minItems": 1,
-                                             "maxItems": config.max_batch_items},
-                                   **native, "format": {"enum": list(FORMATS), "default": "wav"}}}}}},
+                "requestBody": _body(declaration.BATCH, config, texts=texts),
                 "responses": {"200": _json({"type": "object", "properties": {
                     "format": {"type": "string"}, "sample_rate": {"type": "integer"}, "succeeded": {"type": "integer"},
                     "results": {"type": "array", "items": {"type": "object", "properties": {

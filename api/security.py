@@ -7,6 +7,14 @@
 - `StreamSlots`: at most `max_streams_per_client` simultaneous streamed responses per identity.
 - `SlowRequests`: one log line per request slower than the running p95 of its route (a bounded window of
   recent durations); the request text only when `log_request_text` is set.
+- `HostRules`: which `Host` a request may name and which `Origin` may change state (DNS rebinding and cross-site
+  requests: with the default no-key loopback setup, any web page could otherwise reach the box). A Host must be
+  a loopback name (`localhost`, `*.localhost`, a loopback address), an IP address literal (a rebinding attack
+  needs a name), the bind host, this machine's name (`<hostname>`, `<hostname>.local`) or one of `allowed_hosts`;
+  else 400 `host_not_allowed` (the probes /healthz and /readyz answer any Host). A state-changing request (any
+  method but GET, HEAD, OPTIONS) and the WebSocket handshake that sends an `Origin` must come from the service's
+  own origin (the control page): a foreign or `null` Origin is 403 `origin_not_allowed`. Clients that are not
+  browsers send no Origin and are not concerned.
 
 The key itself is never logged, echoed in an error, or exported as a metric.
 """
@@ -14,12 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import math
+import socket
 import threading
 from collections import deque
 from typing import Callable
+from urllib.parse import urlsplit
 
+from cosyedge.api.config import ConfigError, ServiceConfig
 from cosyedge.api.errors import ApiError
 
 log = logging.getLogger("cosyedge.api.slow")
@@ -28,6 +40,96 @@ log = logging.getLogger("cosyedge.api.slow")
 # for the key and sends it with every API call, as any client does)
 PUBLIC_ENDPOINTS = frozenset({"ops.healthz", "ops.readyz", "page.index", "page.script", "page.style"})
 REALM = 'Bearer realm="cosyedge"'
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback address (a name that does not resolve: no)."""
+    try:
+        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos)
+
+
+def check_bind(config: ServiceConfig) -> None:
+    """The bind rules, before anything listens or loads: beyond loopback only with an API key (then every route but
+    the probes needs it); Wyoming beside the service on loopback only."""
+    if config.api_key is None and not is_loopback(config.host):
+        raise ConfigError(f"refusing to listen on {config.host}: it is reachable from other machines; configure "
+                          f"an API key (api_key, COSYEDGE_API_KEY or COSYEDGE_API_KEY_FILE) or bind 127.0.0.1")
+    if config.wyoming_uri is not None:
+        check_wyoming_bind(config.wyoming_uri)
+
+
+def check_wyoming_bind(uri: str) -> None:
+    """The Wyoming protocol has no authentication: beside the service, it listens on loopback only."""
+    if not is_loopback(urlsplit(uri).hostname or ""):
+        raise ConfigError(f"wyoming_uri {uri[:64]!r}: the Wyoming protocol has no authentication, so beside the "
+                          "service it listens on loopback only (use `cosyedge wyoming --allow-remote` on a trusted "
+                          "network)")
+
+
+PROBES = frozenset({"ops.healthz", "ops.readyz"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
+def _host_name(host: str) -> str:
+    """`name:port`, `[v6]:port`, `name` -> the name, lower case, without a final dot."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
+class HostRules:
+    """The Host allow-list and the same-origin rule for state changes (module docstring)."""
+
+    def __init__(self, bind_host: str, allowed_hosts: tuple[str, ...]) -> None:
+        machine = socket.gethostname().lower().rstrip(".")
+        self.names = frozenset({*LOOPBACK_NAMES, _host_name(bind_host), machine, f"{machine}.local",
+                                *allowed_hosts})
+
+    def host_allowed(self, host: str | None) -> bool:
+        if not host:  # HTTP/1.0 without Host: not a browser
+            return True
+        name = _host_name(host)
+        return name in self.names or name.endswith(".localhost") or _is_address(name)
+
+    @staticmethod
+    def origin_allowed(origin: str | None, host: str | None) -> bool:
+        """No Origin (not a browser), or this service's own: scheme http(s) and exactly the request's Host."""
+        if origin is None:
+            return True
+        scheme, _, netloc = origin.strip().partition("://")
+        return scheme.lower() in ("http", "https") and bool(host) and netloc.lower() == str(host).strip().lower()
+
+    def check(self, endpoint: str | None, method: str, host: str | None, origin: str | None,
+              upgrade: str | None) -> None:
+        """Raise the 400 / 403 ApiError a request gets, or return."""
+        if endpoint in PROBES:
+            return
+        if not self.host_allowed(host):
+            raise ApiError(400, "host_not_allowed", "this service is not reached under that host name; use "
+                                                    "127.0.0.1 or localhost, or add the name to allowed_hosts")
+        changes = method.upper() not in SAFE_METHODS or (upgrade or "").lower() == "websocket"
+        if changes and not self.origin_allowed(origin, host):
+            raise ApiError(403, "origin_not_allowed", "requests from another web site's page are refused; "
+                                                      "call the API from this service's own page or a program")
 
 
 class Unauthorized(ApiError):
@@ -146,7 +248,9 @@ def _p95(values: deque[float]) -> float:
 class Guard:
     """The app's gatekeeping state: the key check, the stream slots, the slow-request log."""
 
-    def __init__(self, api_key: str | None, max_streams_per_client: int, log_request_text: bool) -> None:
+    def __init__(self, api_key: str | None, max_streams_per_client: int, log_request_text: bool,
+                 hosts: HostRules | None = None) -> None:
+        self.hosts = hosts or HostRules("127.0.0.1", ())
         self.auth = Authenticator(api_key)
         self.streams = StreamSlots(max_streams_per_client)
         self.slow = SlowRequests()

@@ -13,11 +13,14 @@ the engine worker's loop; a hung engine makes systemd restart the service. SIGTE
 accepting and says STOPPING=1, WebSocket sessions end with a `shutting_down` event before their next sentence,
 requests under way finish (DRAIN_SECONDS), exit 0. SIGKILL of the arbiter takes the worker with it (PR_SET_PDEATHSIG), so a killed service
 leaves no orphan answering requests or writing the journal.
+
+Bundle updates: when the configured bundle path (the bundle store's `current`) comes to name another bundle, the
+worker says RELOADING=1, drains (readiness off; requests under way finish on the old engine) and ends; the arbiter
+starts a fresh worker that loads the new bundle, warms it up and says READY=1 (docs/deploy.md).
 """
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import logging
 import os
 import signal
@@ -27,69 +30,27 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from gunicorn.app.base import BaseApplication
-from gunicorn.workers.gthread import ThreadWorker
 
 from cosyedge.api.app import MAX_HEADERS, create_app
-from cosyedge.api.config import ConfigError, ServiceConfig
+from cosyedge.api.cache import state_root
+from cosyedge.api.config import ServiceConfig
+from cosyedge.api.front import MAX_HEADER_WAITS, FrontWorker, guard_input
 from cosyedge.api.sdnotify import notify, watchdog_interval
+from cosyedge.api.security import check_bind
+from cosyedge.api.service import load_engine
 from cosyedge.device.errors import InputError
+from cosyedge.device.paths import make_dir
 
 if TYPE_CHECKING:
     from flask import Flask
 
     from cosyedge.api.service import Service
-    from cosyedge.device.engine import Engine
 
 log = logging.getLogger("cosyedge.serve")
 DRAIN_SECONDS = 10.0  # gunicorn's graceful timeout, below the units' TimeoutStopSec=20
 FINAL_DRAIN_SECONDS = 2.0  # then, in the worker: requests still finishing their last bytes
-MAX_HEADER_BYTES = 32 << 10  # the in-process server: the request line and headers together
 MAX_HEADER_LINE = 8190  # `serve` (gunicorn): the request line, and each header line; 64 of them (MAX_HEADERS)
 _PR_SET_PDEATHSIG = 1
-
-
-def make_server(app: Any, host: str, port: int, threads: int):
-    """An in-process waitress server in a thread, for the tests and `bench-api`'s in-process service.
-
-    gunicorn's arbiter forks and owns the process's signals, so it cannot run inside a test process; the
-    HTTP routes behave the same on both. WebSocket needs `cosyedge serve` (gunicorn).
-    """
-    from waitress import create_server
-    return create_server(app, host=host, port=port, threads=threads, channel_request_lookahead=1,
-                         ident="cosyedge", asyncore_use_poll=True, connection_limit=max(100, threads * 4),
-                         max_request_header_size=MAX_HEADER_BYTES)
-
-
-def load_engine(config: ServiceConfig) -> "Engine":
-    """The engine the configuration names: bundle, precision or build target, batch limits, state directory.
-
-    Start-up checks: the bundle's files are hashed against its manifest, and every registered voice must load
-    (`strict_voices`): a service never becomes ready with a corrupted bundle or a voice silently missing.
-    """
-    from cosyedge.device import BatchLimits, Engine
-    limits = BatchLimits(max_text_len=config.max_text_len, batch_max=config.batch_max, timeout=config.batch_timeout)
-    return Engine.load(config.bundle, precision=config.precision, target=config.target, limits=limits,
-                       state_dir=config.state_dir, strict_voices=True)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether every address `host` names is a loopback address (a name that does not resolve: no)."""
-    try:
-        return ipaddress.ip_address(host.strip("[]").split("%", 1)[0]).is_loopback
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%", 1)[0]).is_loopback for info in infos)
-
-
-def check_bind(config: ServiceConfig) -> None:
-    """The bind rule: beyond loopback only with an API key (then every route but the probes needs it)."""
-    if config.api_key is None and not is_loopback(config.host):
-        raise ConfigError(f"refusing to listen on {config.host}: it is reachable from other machines; configure "
-                          f"an API key (api_key, COSYEDGE_API_KEY or COSYEDGE_API_KEY_FILE) or bind 127.0.0.1")
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -137,8 +98,15 @@ def _with_disconnect_probe(wsgi_app: Any) -> Any:
     return app
 
 
-class _Worker(ThreadWorker):
-    """gthread, plus: on SIGTERM readiness goes off at once, so /readyz says 503 and WebSocket sessions end."""
+def worker_connections(threads: int) -> int:
+    """The connections the one worker holds open at most (each a file descriptor): requests in progress and
+    kept alive, plus those still sending their headers (`front.MAX_HEADER_WAITS`)."""
+    return max(100, threads * 4) + MAX_HEADER_WAITS
+
+
+class _Worker(FrontWorker):
+    """gthread with the front check (`front.py`: header deadline and cap, JSON error pages), plus: on SIGTERM readiness goes off at once,
+    so /readyz says 503 and WebSocket sessions end."""
 
     service: "Service | None" = None  # set once the app is loaded (post_worker_init)
 
@@ -156,23 +124,28 @@ class _Gunicorn(BaseApplication):
     def __init__(self, config: ServiceConfig, notify_socket: str | None, interval: float | None,
                  failed_fd: int) -> None:
         self.config, self.notify_socket, self.interval, self.failed_fd = config, notify_socket, interval, failed_fd
+        self.workers_started = 0  # counted in the arbiter before each fork: above 1, a worker replaces another
         super().__init__()
 
     def load_config(self) -> None:
         threads = self.config.http_threads
-        settings = {"workers": 1, "worker_class": _Worker, "threads": threads, "worker_connections": max(100, threads * 4),
+        settings = {"workers": 1, "worker_class": _Worker, "threads": threads, "worker_connections": worker_connections(threads),
                     "graceful_timeout": int(DRAIN_SECONDS), "timeout": 60, "keepalive": 5, "loglevel": "warning",
                     "accesslog": None, "errorlog": "-", "proc_name": "cosyedge", "limit_request_line": MAX_HEADER_LINE,
                     "limit_request_fields": MAX_HEADERS, "limit_request_field_size": MAX_HEADER_LINE,
-                    "post_fork": self._post_fork, "post_worker_init": self._post_worker_init,
+                    "pre_fork": self._pre_fork, "post_fork": self._post_fork,
+                    "post_worker_init": self._post_worker_init,
                     "worker_exit": self._worker_exit}
         for key, value in settings.items():
             self.cfg.set(key, value)
 
     def load(self) -> "Flask":
         app = create_app(self.config)
-        app.wsgi_app = _with_disconnect_probe(app.wsgi_app)  # type: ignore[method-assign]
+        app.wsgi_app = guard_input(_with_disconnect_probe(app.wsgi_app))  # type: ignore[method-assign]
         return app
+
+    def _pre_fork(self, _arbiter: Any, _worker: Any) -> None:
+        self.workers_started += 1
 
     def _post_fork(self, _arbiter: Any, _worker: Any) -> None:
         _die_with_parent()
@@ -181,26 +154,47 @@ class _Gunicorn(BaseApplication):
 
     def _post_worker_init(self, worker: _Worker) -> None:
         worker.service = worker.wsgi.extensions["cosyedge"]
-        threading.Thread(target=self._bring_up, args=(worker.service,), name="cosyedge-load", daemon=True).start()
+        threading.Thread(target=self._bring_up, args=(worker, worker.service), name="cosyedge-load",
+                         daemon=True).start()
 
-    def _bring_up(self, service: "Service") -> None:
-        """Load the engine, warm it up through the queue, then READY=1; a failure stops the whole service."""
+    def _bring_up(self, worker: _Worker, service: "Service") -> None:
+        """Load the engine, warm it up through its door, then READY=1; a failure stops the whole service."""
+        loaded = threading.Event()
+
+        def alive_while_loading() -> None:  # a replacement's load may outlast WatchdogSec (READY=1 came long ago)
+            while not loaded.wait(self.interval):
+                notify("WATCHDOG=1")
+
+        if self.interval and self.workers_started > 1:  # a first start pings only from READY=1 on
+            threading.Thread(target=alive_while_loading, name="cosyedge-load-watchdog", daemon=True).start()
         try:
             engine = load_engine(self.config)
             announced = threading.Event()  # systemd enforces the watchdog from READY=1 on; pings start then
             warm = service.start(engine, heartbeat=(lambda: announced.is_set() and notify("WATCHDOG=1"))
                                  if self.interval else None, heartbeat_interval=self.interval)
-            if self.config.wyoming_uri:  # same engine and queue as HTTP
+            if self.config.wyoming_uri:  # same engine, door, admission and journal as HTTP
                 from cosyedge.api.wyoming import start_for_service
                 start_for_service(service, self.config.wyoming_uri)
             notify(f"READY=1\nSTATUS=ready: {engine.bundle.manifest.name} on port {self.config.effective_port}")
             announced.set()
-            log.info("ready: %s (%s), warm-up through the queue %.2f s", engine.bundle.manifest.name,
+            loaded.set()
+            service.watch_bundle(lambda: self._reload(worker, service))
+            log.info("ready: %s (%s), warm-up through the door %.2f s", engine.bundle.manifest.name,
                      engine.precision, warm)
         except Exception as exc:  # noqa: BLE001 - one readable line, then the service exits 1
+            loaded.set()
             print(f"cosyedge: error: {exc}", file=sys.stderr, flush=True)
             os.write(self.failed_fd, b"1")
             os.kill(os.getppid(), signal.SIGTERM)
+
+    def _reload(self, worker: _Worker, service: "Service") -> None:
+        """A new bundle is current: drain (readiness off, new requests 503 + Retry-After, those under way finish on
+        this engine), then this worker ends and the arbiter starts a fresh one, which loads what the pointer names,
+        warms it up and says READY=1. The listening socket stays open in the arbiter meanwhile."""
+        notify("RELOADING=1\nSTATUS=reloading: a new bundle is current")
+        if not service.drain(self.config.request_timeout_s):
+            log.warning("reloading with requests still under way after %.0f s", self.config.request_timeout_s)
+        worker.alive = False  # gthread's loop ends as on SIGTERM, without STOPPING=1: the service stays up
 
     def _worker_exit(self, _arbiter: Any, worker: _Worker) -> None:
         """After gthread's graceful wait (DRAIN_SECONDS; the arbiter kills the worker then): the last close hooks,
@@ -221,6 +215,7 @@ def serve(config: ServiceConfig) -> int:
     from gunicorn.arbiter import Arbiter
     from gunicorn.sock import TCP6Socket, TCPSocket
     check_bind(config)  # before anything listens
+    make_dir(state_root(config.state_dir), "state directory")  # the worker's journal and voices live there
     try:
         listener = _listen(config.host, config.effective_port)
     except OSError as exc:

@@ -1,33 +1,33 @@
-"""From a validated body to an HTTP answer: journal, queue the work, wait, encode (or stream), dead-letter failures.
+"""From a validated body to an HTTP answer, through the one door: a place in flight (`admission.py`), the journal,
+the engine's door (`device/door.py`), then the whole file encoded or the stream sent as it is made.
 
-Shared by the OpenAI-compatible and the native routes; only the batch queue's worker runs the engine.
-Every accepted synthesis (one per text, each item of a batch on its own) is journalled before it is queued
-and closed once its answer has been sent; whatever is accepted and not delivered (a synthesis or encoding
-failure, a deadline passed in the queue, a stop, a crash) ends in the dead-letter file (see `journal.py`).
+Shared by the OpenAI-compatible and the native routes. Every accepted synthesis (one per text, each item of a
+batch on its own) is admitted, then journalled, then handed to the door, and its journal entry is closed once its
+answer has been sent; whatever is accepted and not delivered (a synthesis or encoding failure, a deadline passed
+before work started, a stop, a crash) ends in the dead-letter file (`journal.py`).
 """
 from __future__ import annotations
 
 import base64
-import queue
-import threading
 import time
-from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator
 
+import numpy as np
 from flask import Response, g, jsonify, request
 
-from cosyedge.api.batcher import SynthesisError, SynthesisQueue
+from cosyedge.api.admission import Ticket
 from cosyedge.api.bodies import Batch, Speech
-from cosyedge.api.errors import ApiError, DeadlineExceeded
+from cosyedge.api.errors import ApiError
 from cosyedge.api.journal import Journal
 from cosyedge.api.service import current_service
-from cosyedge.api.streaming import audio_stream, chunk_stream, start_chunks
-from cosyedge.device.audio import MIME, encode, to_audio_segment
-from cosyedge.device.options import Segment, SynthesisOptions
+from cosyedge.api.streaming import audio_body
+from cosyedge.device.audio import MIME, Resampler, encode_wave
+from cosyedge.device.door import Job, collect
+from cosyedge.device.errors import CosyedgeError, EncodingError, SynthesisFailed
 
 
-def _accept(journal: Journal, request_id: str, route: str, payload: dict[str, Any], key: str | None = None) -> str:
-    """Journal the request before it is queued; a journal that cannot be written means the request is refused."""
+def accept(journal: Journal, request_id: str, route: str, payload: dict[str, Any], key: str | None = None) -> str:
+    """Journal an admitted request before the door sees it; a journal that cannot be written refuses it."""
     try:
         return journal.accepted(request_id, route, payload, key)
     except OSError:
@@ -35,125 +35,107 @@ def _accept(journal: Journal, request_id: str, route: str, payload: dict[str, An
                        "writable); retry later", retry_after=5) from None
 
 
-def _detail(exc: BaseException) -> str:
+def detail(exc: BaseException) -> str:
     """What goes to the dead-letter file about a failure (never to the client)."""
-    if isinstance(exc, SynthesisError):
-        return exc.detail
     if isinstance(exc, ApiError):
         return f"{exc.code}: {exc.message}"
+    if isinstance(exc, SynthesisFailed):
+        return str(exc)  # the engine's own error type and message
+    if isinstance(exc, CosyedgeError):
+        return f"{exc.code}: {exc}"
     return f"{type(exc).__name__}: {exc}"
 
 
-class _DeadlineWatch:
-    """The queue as a stream sees it, noting whether a later sentence expired in the queue (the stream ends short)."""
+def answer_to(exc: CosyedgeError, request_id: str) -> ApiError:
+    """The HTTP answer to a request the door could not deliver (the detail stays in the dead-letter file)."""
+    if isinstance(exc, SynthesisFailed):
+        return ApiError(500, "synthesis_failed", f"synthesis failed; recorded as request {request_id}")
+    if isinstance(exc, EncodingError):
+        return ApiError(500, "encoding_failed", f"encoding failed; recorded as request {request_id}")
+    return ApiError.from_device(exc)
 
-    def __init__(self, batcher: SynthesisQueue) -> None:
-        self._batcher = batcher
-        self.expired = False
 
-    def submit(self, jobs: Sequence[tuple[list[Segment], SynthesisOptions]], deadline: float,
-               admitted: bool = False) -> list[Future]:
-        futures = self._batcher.submit(jobs, deadline, admitted=admitted)
-        for future in futures:
-            future.add_done_callback(self._check)
-        return futures
+def _encode(wave: np.ndarray, rate: int, fmt: str, out_rate: int | None) -> bytes:
+    """The whole file at `out_rate` (None: the voice's); an ffmpeg failure is the service's (EncodingError), never
+    the client's."""
+    try:
+        return encode_wave(wave, rate, fmt, out_rate)
+    except CosyedgeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pydub / ffmpeg failures of any kind
+        raise EncodingError(f"encode {fmt}: {type(exc).__name__}: {exc}") from None
 
-    def _check(self, future: Future) -> None:
-        if not future.cancelled() and isinstance(future.exception(), DeadlineExceeded):
-            self.expired = True
+
+def _mimetype(fmt: str, rate: int) -> str:
+    return f"audio/L16; rate={rate}; channels=1" if fmt == "pcm" else MIME[fmt]
 
 
 def speak(route: str, job: Speech) -> Response:
-    """One text: the whole file, or (stream) its sentences as they are made."""
+    """One text: the whole file (the door's stream collected), or its chunks as they are made."""
     service = current_service()
-    engine, batcher = service.require_ready()
-    journal = service.journal
-    timeout = service.config.request_timeout_s
-    request_id = g.request_id
-    options = job.options
-    payload = {"text": job.text, "voice": options.voice, "speed": options.speed, "format": job.format,
+    engine, door = service.require_ready()
+    journal, request_id, rate = service.journal, g.request_id, engine.sample_rate
+    payload = {"text": job.text, "voice": job.options.voice, "speed": job.options.speed, "format": job.format,
                "stream": job.stream}
+    ticket = service.admission.admit()[0]  # beyond queue_size: 503 queue_full + Retry-After, nothing journalled
+    try:
+        key = accept(journal, request_id, route, payload)
+    except BaseException:
+        ticket.release()
+        raise
 
     def failed(exc: BaseException) -> None:
-        journal.dead_letter(route, request_id, payload, _detail(exc), key)
+        journal.dead_letter(route, request_id, payload, detail(exc), key)
 
     started = time.monotonic()
-    deadline = started + timeout
-    rate = engine.sample_rate
-    headers = {"X-Sample-Rate": str(rate), "Cache-Control": "no-store"}
-    mimetype = f"audio/L16; rate={rate}; channels=1" if job.format == "pcm" else MIME[job.format]
-    key = _accept(journal, request_id, route, payload)
-    if job.stream and batcher.continuous:
-        try:
-            release = batcher.admit()
-        except BaseException:
-            journal.finished(key)  # refused at once (too many in flight): the client has its 503
-            raise
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        stop = threading.Event()
-        start_chunks(engine, job.segments, options, release, events, stop)
-        disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
-        body = chunk_stream(events, stop, service.metrics, job.format, rate, started, disconnected, failed)
-        return Response(_journalled(body, journal, key, None, failed),
-                        headers={**headers, "X-Accel-Buffering": "no"}, content_type=mimetype)
-    first_segments = job.segments[:1] if job.stream else job.segments
+    out_rate = job.rate(rate)
+    headers = {"X-Sample-Rate": str(out_rate), "Cache-Control": "no-store"}
     try:
-        future = batcher.submit([(first_segments, options)], deadline)[0]
-    except BaseException:
-        journal.finished(key)  # refused at once (queue full): never queued, the client has its 503
-        raise
-    try:
-        wave = batcher.wait(future, deadline)
-    except SynthesisError as exc:
+        stream = door.open(Job(job.segments, job.options, chunked=job.stream, deadline=ticket.deadline))
+        if job.stream:
+            first = next(stream, None)  # a failure before any audio is an HTTP error, not a short stream
+        else:
+            wave = collect(stream)
+            audio = _encode(wave, rate, job.format, job.sample_rate)
+    except CosyedgeError as exc:
+        ticket.release()
         failed(exc)
-        raise ApiError(500, "synthesis_failed", f"synthesis failed; recorded as request {request_id}") from None
-    except BaseException as exc:  # deadline passed in the queue, service stopping: accepted, not delivered
+        raise answer_to(exc, request_id) from None
+    except BaseException as exc:
+        ticket.release()
         failed(exc)
         raise
-    service.metrics.observe("cosyedge_time_to_first_audio_seconds", time.monotonic() - started,  # VITS: 1st sentence
+    service.metrics.observe("cosyedge_time_to_first_audio_seconds", time.monotonic() - started,
                             stream=str(job.stream).lower())
     if job.stream:
         disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
-        watch = _DeadlineWatch(batcher)
-        body = audio_stream(watch, service.metrics, job.segments, options, job.format, rate, wave, timeout,  # type: ignore[arg-type]
-                            disconnected, failed)
+        body = audio_body(stream, first, job.format, Resampler(rate, out_rate), out_rate, service.metrics,
+                          disconnected, failed)
         # no direct_passthrough: werkzeug's closing wrapper runs call_on_close (metrics) after the stream
-        return Response(_journalled(body, journal, key, watch, failed),
-                        headers={**headers, "X-Accel-Buffering": "no"}, content_type=mimetype)
-    try:
-        audio = encode(to_audio_segment(wave, rate), job.format)
-    except Exception as exc:  # noqa: BLE001 - ffmpeg failures are the server's, not the client's
-        failed(SynthesisError(f"encode {job.format}: {type(exc).__name__}: {exc}"))
-        raise ApiError(500, "encoding_failed", f"encoding to {job.format} failed; recorded as request {request_id}") from None
-    except BaseException as exc:
-        failed(exc)
-        raise
+        return Response(_delivered(body, journal, key, ticket), headers={**headers, "X-Accel-Buffering": "no"},
+                        content_type=_mimetype(job.format, out_rate))
     headers["X-Audio-Seconds"] = f"{len(wave) / rate:.3f}"
-    response = Response(audio, headers=headers, content_type=mimetype)
-    response.call_on_close(lambda: journal.finished(key))  # after the last byte went out
+    response = Response(audio, headers=headers, content_type=_mimetype(job.format, out_rate))
+    response.call_on_close(lambda: (journal.finished(key), ticket.release()))  # after the last byte went out
     return response
 
 
-def _journalled(body: Iterator[bytes], journal: Journal, key: str, watch: _DeadlineWatch | None,
-                failed: Callable[[BaseException], None]) -> Iterator[bytes]:
-    """The stream's body; closes its journal entry: delivered, cut short by the server (dead letter), or left."""
-    complete = False
+def _delivered(body: Iterator[bytes], journal: Journal, key: str, ticket: Ticket) -> Iterator[bytes]:
+    """The stream's body; then its journal entry is closed (delivered, or the client left: its choice; a failure
+    was dead-lettered already) and its place in flight given back."""
     try:
         yield from body
-        complete = True
     finally:
-        if complete and watch is not None and watch.expired and journal.is_open(key):
-            failed(DeadlineExceeded())  # the stream ended short: the rest was never synthesised
-        else:
-            journal.finished(key)  # delivered, or the client left (its choice); a SynthesisError closed it already
+        journal.finished(key)
+        ticket.release()
 
 
 def speak_batch(route: str, job: Batch) -> Response:
-    """Many texts, queued together; each item succeeds or fails on its own, results in input order."""
+    """Many texts, each a job of its own through the door at once; each item succeeds or fails on its own, results
+    in input order."""
     service = current_service()
-    engine, batcher = service.require_ready()
-    journal = service.journal
-    request_id = g.request_id
+    engine, door = service.require_ready()
+    journal, request_id, rate = service.journal, g.request_id, engine.sample_rate
     results: list[dict[str, Any]] = [{} for _ in job.texts]
     queued = [(index, item) for index, item in enumerate(job.items) if not isinstance(item, ApiError)]
     for index, item in enumerate(job.items):
@@ -164,37 +146,40 @@ def speak_batch(route: str, job: Batch) -> Response:
         return {"index": index, "text": job.texts[index], "voice": job.options.voice, "speed": job.options.speed,
                 "format": job.format}
 
+    tickets = service.admission.admit(len(queued)) if queued else []  # all or none
     keys: dict[int, str] = {}
     try:
         for index, _ in queued:
-            keys[index] = _accept(journal, request_id, route, payload(index), f"{request_id}/{index}")
-        deadline = time.monotonic() + service.config.request_timeout_s
-        futures = batcher.submit([(segments, job.options) for _, segments in queued], deadline) if queued else []
-    except BaseException:
-        for key in keys.values():
-            journal.finished(key)  # refused at once (queue full): never queued
-        raise
+            keys[index] = accept(journal, request_id, route, payload(index), f"{request_id}/{index}")
+        streams = [door.open(Job(segments, job.options, chunked=False, deadline=ticket.deadline))
+                   for (_, segments), ticket in zip(queued, tickets)]
+    except BaseException as exc:
+        for index, key in keys.items():
+            journal.dead_letter(route, request_id, payload(index), detail(exc), key)
+        for ticket in tickets:
+            ticket.release()
+        raise answer_to(exc, request_id) if isinstance(exc, CosyedgeError) else exc from None
     delivered: list[str] = []
-    for (index, _), future in zip(queued, futures):
+    for (index, _), stream in zip(queued, streams):
         try:
-            wave = batcher.wait(future, deadline)
-            audio = encode(to_audio_segment(wave, engine.sample_rate), job.format)
-        except ApiError as exc:  # the deadline passed in the queue, or the service is stopping
-            journal.dead_letter(route, request_id, payload(index), _detail(exc), keys[index])
-            results[index] = _failure(index, exc)
-            continue
-        except Exception as exc:  # noqa: BLE001 - synthesis or encoding failed for this item only
-            error = exc if isinstance(exc, SynthesisError) else SynthesisError(f"encode: {type(exc).__name__}: {exc}")
-            journal.dead_letter(route, request_id, payload(index), error.detail, keys[index])
-            results[index] = _failure(index, ApiError(500, "synthesis_failed",
-                                                      f"synthesis failed; recorded as request {request_id}"))
+            wave = collect(stream)
+            audio = _encode(wave, rate, job.format, job.sample_rate)
+        except CosyedgeError as exc:  # this item only: synthesis or encoding failed, its deadline passed, a stop
+            journal.dead_letter(route, request_id, payload(index), detail(exc), keys[index])
+            results[index] = _failure(index, answer_to(exc, request_id))
             continue
         delivered.append(keys[index])
         results[index] = {"index": index, "ok": True, "audio": base64.b64encode(audio).decode("ascii"),
-                          "audio_seconds": round(len(wave) / engine.sample_rate, 3)}
-    response = jsonify({"object": "list", "format": job.format, "sample_rate": engine.sample_rate,
+                          "audio_seconds": round(len(wave) / rate, 3)}
+    response = jsonify({"object": "list", "format": job.format, "sample_rate": job.rate(rate),
                         "succeeded": sum(1 for r in results if r["ok"]), "results": results})
-    response.call_on_close(lambda: [journal.finished(key) for key in delivered])
+
+    def close() -> None:
+        for key in delivered:
+            journal.finished(key)
+        for ticket in tickets:
+            ticket.release()
+    response.call_on_close(close)
     return response
 
 

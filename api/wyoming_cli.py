@@ -1,5 +1,6 @@
-"""`cosyedge wyoming`: the Wyoming server as a command (cosyedge.api.wyoming holds the server); imports are
-lazy so that `cosyedge --help` stays fast."""
+"""`cosyedge wyoming`: the Wyoming server as a command (cosyedge.api.wyoming holds the server), on a `Service` of
+its own (the admission, journal and door `serve` has, in the configuration's state directory); imports are lazy
+so that `cosyedge --help` stays fast."""
 from __future__ import annotations
 
 import argparse
@@ -8,21 +9,26 @@ import logging
 import signal
 
 from cosyedge.device.errors import InputError
+from cosyedge.device.request import WYOMING, add_flags
 
 WYOMING_URI = "tcp://127.0.0.1:10200"
 
 
 def cmd_wyoming(args: argparse.Namespace) -> int:
     from cosyedge.api.config import load_config
-    from cosyedge.api.server import is_loopback, load_engine
-    from cosyedge.api.wyoming import Defaults, WyomingTts, log, parse_uri, serve_async
+    from cosyedge.api.security import is_loopback
+    from cosyedge.api.service import Service, load_engine
+    from cosyedge.api.wyoming import WyomingTts, log, parse_uri, serve_async
+    from cosyedge.device.request import cli_values
     host, _ = parse_uri(args.uri)
     if not is_loopback(host) and not args.allow_remote:
         raise InputError(f"refusing to listen on {host}: the Wyoming protocol has no authentication; bind "
                          "127.0.0.1, or pass --allow-remote on a trusted network")
     logging.getLogger().setLevel(logging.INFO)
     config = load_config(args.config, bundle=args.bundle, precision=args.precision, target=args.target)
-    tts = WyomingTts(load_engine(config), Defaults(args.speed, args.deterministic, args.seed, args.sampling))
+    service = Service(config)  # the admission, journal and door of `serve`, without HTTP
+    service.start(load_engine(config))  # recovers the journal: what a killed run accepted is dead-lettered
+    tts = WyomingTts(service, cli_values(args, WYOMING))
 
     async def main() -> None:
         task = asyncio.current_task()
@@ -36,15 +42,9 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except asyncio.CancelledError:
         log.info("wyoming: stopped")
+    finally:
+        service.stop()
     return 0
-
-
-def add_options(parser: argparse.ArgumentParser) -> None:
-    """The options of Wyoming requests (the protocol has only text and voice)."""
-    parser.add_argument("--speed", type=float, default=1.0)
-    parser.add_argument("--deterministic", action="store_true", help="no sampling noise: the same text gives the same audio")
-    parser.add_argument("--seed", type=int, help="fixed sampling seed for every request")
-    parser.add_argument("--sampling", choices=["default", "greedy"], default="default")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,5 +58,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
     p.add_argument("--precision", help="fp32, fp16, int8, int4 or auto")
     p.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
-    add_options(p)
+    add_flags(p, WYOMING)  # the defaults of every request (the request declaration's Wyoming door)
     p.set_defaults(func=cmd_wyoming)

@@ -8,19 +8,21 @@ Everything else in this package is an implementation detail of the engine or of 
 """
 from cosyedge.device.audio import (FORMATS, MIME, check_format, check_sample_rate, encode, streaming_wav_header,
                                    to_audio_segment, to_pcm16)
+from cosyedge.device.door import Chunk, Door, Job, Observer, Stream, collect
 from cosyedge.device.engine import Engine
 from cosyedge.device.jobs import Line, read_lines, run_lines
 from cosyedge.device.errors import (BundleError, CosyedgeError, EmptyTextError, FixedVoicesError, InputError,
                                     InvalidVoiceError, ProviderError, ReleaseError, TextTooLongError,
-                                    UnknownVoiceError, VoiceExistsError, VoiceNotFoundError)
-from cosyedge.device.options import SPEED_RANGE, BatchLimits, Segment, SynthesisOptions
+                                    UnknownVoiceError, UnsupportedOptionError, VoiceExistsError, VoiceNotFoundError)
+from cosyedge.device.options import SPEED_RANGE, BatchLimits, Segment, Stat, SynthesisOptions, Word
 from cosyedge.device.textstream import SentenceStream
 
 __all__ = [
-    "Engine", "BatchLimits", "SynthesisOptions", "Segment", "SPEED_RANGE",
+    "Engine", "BatchLimits", "SynthesisOptions", "Segment", "SPEED_RANGE", "Stat", "Word",
+    "Door", "Job", "Chunk", "Stream", "Observer", "collect",
     "CosyedgeError", "BundleError", "ReleaseError", "ProviderError", "InputError", "EmptyTextError",
     "TextTooLongError", "UnknownVoiceError", "InvalidVoiceError", "VoiceExistsError", "VoiceNotFoundError",
-    "FixedVoicesError",
+    "FixedVoicesError", "EncodingError", "UnsupportedOptionError",
     "encode", "FORMATS", "MIME", "check_format", "check_sample_rate", "to_audio_segment", "to_pcm16",
     "streaming_wav_header", "Line", "read_lines", "run_lines", "SentenceStream",
 ]

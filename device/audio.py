@@ -1,18 +1,83 @@
-"""Waveforms -> AudioSegment -> encoded bytes (wav, mp3, flac, opus, aac, pcm)."""
+"""Waveforms -> AudioSegment -> encoded bytes (wav, mp3, flac, opus, aac, pcm), whole or as they are made.
+
+One codec table (`CODECS`) holds each compressed format's ffmpeg settings, used by the whole-file encoder
+(`encode`, through pydub) and the streaming one (`FfmpegEncoder`, one ffmpeg process per stream, so frames
+continue across sentences and chunks): the same format sounds the same from every door. A request's output
+rate is reached by resampling the float waveform with soxr, whole (`resample`) or chunk by chunk (`Resampler`,
+whose filter state carries across chunks): both give the same samples, so a stream equals the whole file.
+
+ffmpeg (`ffmpeg_binary`) is the system's on PATH, else the static build the imageio-ffmpeg wheel ships, so a box
+needs no Debian package. pydub is imported here only (the other modules take `AudioSegment` from this one): where
+no ffmpeg is on PATH its import-time warning would be wrong.
+"""
 from __future__ import annotations
 
 import io
+import shutil
 import struct
+import subprocess
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
-from pydub import AudioSegment
+import soxr
 
-from cosyedge.device.errors import InputError
+with warnings.catch_warnings():  # "Couldn't find ffmpeg or avconv": pydub looks on PATH only; we know better
+    warnings.filterwarnings("ignore", "Couldn't find ffmpeg", RuntimeWarning)
+    from pydub import AudioSegment
+
+from cosyedge.device.errors import EncodingError, UnknownFormatError, UnsupportedSampleRateError
 
 FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm")
 MIME = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "opus": "audio/ogg",
         "aac": "audio/aac", "pcm": "audio/L16"}
-_FFMPEG_ARGS = {"mp3": ("mp3", None), "flac": ("flac", None), "opus": ("opus", "libopus"), "aac": ("adts", "aac")}
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the only rates libopus takes
+SAMPLE_RATES = (8000, 48000)  # the output rates a request may ask for (resampled from the voice's own)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A compressed format's ffmpeg settings: container (`-f`), encoder, bitrate, and the container options a
+    stream needs that a whole file does not (a pipe cannot seek back to write headers)."""
+    container: str
+    encoder: str
+    bitrate: str | None = None
+    streaming: tuple[str, ...] = ()
+
+
+CODECS = {
+    "mp3": Codec("mp3", "libmp3lame", "96k", ("-write_xing", "0")),
+    "opus": Codec("ogg", "libopus", "48k", ("-page_duration", "100000")),
+    "aac": Codec("adts", "aac", "96k"),
+    "flac": Codec("flac", "flac"),
+}
+
+
+def ffmpeg_binary() -> str:
+    """The ffmpeg the encoders run: the system's on PATH (the distribution keeps it patched), else the one in the
+    imageio-ffmpeg wheel (a dependency: a static build with libmp3lame and libopus for x86_64 and aarch64)."""
+    system = shutil.which("ffmpeg")
+    if system:
+        return system
+    from imageio_ffmpeg import get_ffmpeg_exe
+    try:
+        return get_ffmpeg_exe()
+    except RuntimeError:  # the wheel has no binary for this platform: say what to install
+        raise EncodingError("no ffmpeg: install one on PATH to encode mp3, opus, aac or flac (wav and pcm need "
+                            "none)") from None
+
+
+def decodes(path: Path) -> bool:
+    """Whether a compressed audio file decodes to some audio, as a player would read it (ffmpeg, no ffprobe)."""
+    try:
+        result = subprocess.run([ffmpeg_binary(), "-hide_banner", "-loglevel", "error", "-i", str(path), "-vn",
+                                 "-f", "s16le", "-ac", "1", "pipe:1"], capture_output=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired, EncodingError):
+        return False
+    return result.returncode == 0 and len(result.stdout) > 0
 
 
 def to_pcm16(samples: np.ndarray) -> bytes:
@@ -27,33 +92,65 @@ def to_audio_segment(samples: np.ndarray, sample_rate: int) -> AudioSegment:
 def check_format(fmt: str) -> str:
     fmt = fmt.lower()
     if fmt not in FORMATS:
-        raise InputError(f"unknown audio format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise UnknownFormatError(f"unknown audio format {fmt!r}; choose one of {', '.join(FORMATS)}")
     return fmt
 
 
 def check_sample_rate(rate: int | None) -> int | None:
-    if rate is not None and not 8000 <= rate <= 48000:
-        raise InputError(f"sample rate {rate} Hz is out of range (8000-48000)")
+    if rate is not None and not SAMPLE_RATES[0] <= rate <= SAMPLE_RATES[1]:
+        raise UnsupportedSampleRateError(f"sample rate {rate} Hz is out of range ({SAMPLE_RATES[0]}-{SAMPLE_RATES[1]})")
     return rate
 
 
-def encode(segment: AudioSegment, fmt: str, sample_rate: int | None = None) -> bytes:
-    """Encode a segment; wav and pcm need no ffmpeg, the others go through pydub + ffmpeg."""
+def codec_rate(fmt: str, sample_rate: int) -> int:
+    """The rate a format is encoded at: the audio's own, except where the codec allows only some (opus)."""
+    if fmt == "opus" and sample_rate not in OPUS_RATES:
+        return 48000 if sample_rate > 24000 else 24000
+    return sample_rate
+
+
+def resample(wave: np.ndarray, rate: int, out_rate: int | None) -> np.ndarray:
+    """The whole waveform at `out_rate` (None or `rate`: unchanged)."""
+    if not out_rate or out_rate == rate:
+        return wave
+    return soxr.resample(np.asarray(wave, np.float32), rate, out_rate).astype(np.float32, copy=False)
+
+
+class Resampler:
+    """A stream's float chunks at `out_rate`; the filter holds back a few milliseconds, which `flush` gives at the
+    end. The samples equal `resample` of the whole stream."""
+
+    def __init__(self, rate: int, out_rate: int | None) -> None:
+        self._stream = soxr.ResampleStream(rate, out_rate, 1, dtype="float32") if out_rate and out_rate != rate else None
+
+    def __call__(self, chunk: np.ndarray) -> np.ndarray:
+        return chunk if self._stream is None else self._stream.resample_chunk(np.asarray(chunk, np.float32))
+
+    def flush(self) -> np.ndarray:
+        if self._stream is None:
+            return np.zeros(0, np.float32)
+        return self._stream.resample_chunk(np.zeros(0, np.float32), last=True)
+
+
+def encode(segment: AudioSegment, fmt: str) -> bytes:
+    """Encode a segment; wav and pcm need no ffmpeg, the others go through pydub + ffmpeg (`CODECS`)."""
     fmt = check_format(fmt)
-    if sample_rate and sample_rate != segment.frame_rate:
-        segment = segment.set_frame_rate(sample_rate)
     if fmt == "pcm":
         return segment.raw_data
+    buffer = io.BytesIO()
     if fmt == "wav":
-        buffer = io.BytesIO()
         segment.export(buffer, format="wav")
         return buffer.getvalue()
-    container, codec = _FFMPEG_ARGS[fmt]
-    if fmt == "opus" and segment.frame_rate not in (8000, 12000, 16000, 24000, 48000):
-        segment = segment.set_frame_rate(48000 if segment.frame_rate > 24000 else 24000)
-    buffer = io.BytesIO()
-    segment.export(buffer, format=container, codec=codec)
+    codec = CODECS[fmt]
+    segment = segment.set_frame_rate(codec_rate(fmt, segment.frame_rate))
+    segment.converter = ffmpeg_binary()  # this segment's, not pydub's class-wide default (ffmpeg on PATH)
+    segment.export(buffer, format=codec.container, codec=codec.encoder, bitrate=codec.bitrate)
     return buffer.getvalue()
+
+
+def encode_wave(wave: np.ndarray, rate: int, fmt: str, out_rate: int | None = None) -> bytes:
+    """A float waveform at `rate`, encoded at `out_rate` (resampled; None: its own rate)."""
+    return encode(to_audio_segment(resample(wave, rate, out_rate), out_rate or rate), fmt)
 
 
 def streaming_wav_header(sample_rate: int) -> bytes:
@@ -62,3 +159,46 @@ def streaming_wav_header(sample_rate: int) -> bytes:
     return (b"RIFF" + struct.pack("<I", unknown) + b"WAVEfmt " +
             struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16) +
             b"data" + struct.pack("<I", unknown))
+
+
+class FfmpegEncoder:
+    """One ffmpeg process for one stream: pcm16 in on stdin, encoded bytes out through `sink(("data", bytes))` as
+    ffmpeg makes them, then `sink(("eof", None))`."""
+
+    def __init__(self, fmt: str, sample_rate: int, sink: Callable[[tuple], None]) -> None:
+        codec = CODECS[fmt]
+        bitrate = ("-b:a", codec.bitrate) if codec.bitrate else ()
+        args = [ffmpeg_binary(), "-hide_banner", "-loglevel", "error", "-f", "s16le", "-ar", str(sample_rate),
+                "-ac", "1", "-i", "pipe:0", "-ar", str(codec_rate(fmt, sample_rate)), "-c:a", codec.encoder,
+                *bitrate, *codec.streaming, "-f", codec.container, "-flush_packets", "1", "pipe:1"]
+        self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self._sink = sink
+        self._reader = threading.Thread(target=self._pump, name="cosyedge-ffmpeg-reader", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        while chunk := self._proc.stdout.read1(65536):
+            self._sink(("data", chunk))
+        self._sink(("eof", None))
+
+    def write(self, pcm: bytes) -> None:
+        try:
+            self._proc.stdin.write(pcm)
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise EncodingError("ffmpeg: encoder stopped accepting audio") from None
+
+    def finish(self) -> None:
+        self._proc.stdin.close()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._reader.join(timeout=5)
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe and not pipe.closed:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass

@@ -28,6 +28,20 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def only_listed_files(root: Path) -> list[Path] | None:
+    """The files at `root` if it holds nothing but a manifest and the files it lists (no link, nothing
+    unlisted), else None: what a tool may delete there without touching anything a user put in."""
+    try:
+        data = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+        listed = {MANIFEST} | {entry["file"] for key in ("components", "assets") for entry in data[key]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    found = [path for path in root.rglob("*") if not path.is_dir()]
+    if any(path.is_symlink() or path.relative_to(root).as_posix() not in listed for path in found):
+        return None
+    return found
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -113,6 +127,7 @@ class Bundle:
     """A validated bundle directory. Paths inside it are resolved only through `path()`."""
     root: Path
     manifest: Manifest
+    sha256: str = ""  # of manifest.json as loaded: the bundle's identity (the manifest holds every file's sha256)
 
     @classmethod
     def load(cls, root: Path | str, precision: str | None = None, verify: bool = True) -> "Bundle":
@@ -124,11 +139,12 @@ class Bundle:
         manifest_path = root / MANIFEST
         if not manifest_path.is_file():
             raise BundleError(f"bundle {label!r} has no {MANIFEST}: not a bundle, or an interrupted `cosyedge quantize`; re-run it")
+        raw = manifest_path.read_bytes()
         try:
-            data = json.loads(manifest_path.read_text(encoding="utf-8"))
+            data = json.loads(raw.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BundleError(f"{MANIFEST} of bundle {label!r} is not valid JSON ({exc}); re-create the bundle") from None
-        bundle = cls(root, Manifest.from_dict(data))
+        bundle = cls(root, Manifest.from_dict(data), hashlib.sha256(raw).hexdigest())
         checked = bundle.manifest.components if precision is None else tuple(bundle.selected(precision).values())
         for entry in (*checked, *bundle.manifest.assets):
             bundle._check_file(entry.file, entry.sha256, verify)

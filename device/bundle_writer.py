@@ -17,7 +17,8 @@ from pathlib import Path
 
 import onnx
 
-from cosyedge.device.bundle import MANIFEST, Asset, Bundle, Component, Manifest, TensorSpec, sha256_file
+from cosyedge.device.bundle import (MANIFEST, Asset, Bundle, Component, Manifest, TensorSpec, only_listed_files,
+                                    sha256_file)
 from cosyedge.device.errors import BundleError
 
 TOOL_VERSION = "cosyedge-quantize 0.1.0"
@@ -30,13 +31,9 @@ def _own_bundle_files(root: Path) -> list[Path] | None:
         data = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
         if not str(data["provenance"]["tool_version"]).startswith(TOOL_NAME):
             return None
-        listed = {MANIFEST} | {entry["file"] for key in ("components", "assets") for entry in data[key]}
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    found = [path for path in root.rglob("*") if not path.is_dir()]
-    if any(path.is_symlink() or path.relative_to(root).as_posix() not in listed for path in found):
-        return None
-    return found
+    return only_listed_files(root)
 
 
 def check_out_dir(out: Path) -> None:

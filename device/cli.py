@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cosyedge.device.bundle import PRECISIONS, TARGETS
 from cosyedge.device.errors import CosyedgeError, InputError
+from cosyedge.device.request import SYNTH, SYNTH_BATCH, add_flags
 
 COMMANDS = "cosyedge.commands"  # entry-point group: register(subparsers) of another layer's commands
 
@@ -39,29 +40,36 @@ def writable(path: Path) -> Path:
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    from cosyedge.device.audio import check_format, check_sample_rate, encode
+    from cosyedge.device import request
+    from cosyedge.device.audio import check_format, check_sample_rate, encode_wave
+    from cosyedge.device.door import Door, Job, collect
     text = sys.stdin.read() if args.text == "-" else args.text
     out = writable(Path(args.output))
     fmt = check_format(args.format or (out.suffix.lstrip(".") or "wav"))
-    check_sample_rate(args.sample_rate)
+    check_sample_rate(args.sample_rate)  # before the engine loads
     engine = _engine(args)
-    segment = engine.synthesize(text, voice=args.voice, speed=args.speed, deterministic=args.deterministic,
-                                seed=args.seed, sampling=args.sampling, mode=args.mode, instruct_text=args.instruct,
-                                preset=args.preset)
+    job = request.parse(request.cli_values(args, request.SYNTH, text=text, format=fmt), request.SYNTH, engine)
+    with Door(engine) as door:  # the one way into the engine, as for every other door (a whole file)
+        wave = collect(door.stream(Job(engine.segments(job.text), job.options, chunked=False)))
     try:
-        out.write_bytes(encode(segment, fmt, args.sample_rate))
+        out.write_bytes(encode_wave(wave, engine.sample_rate, job.format, job.sample_rate))
     except OSError as exc:  # a file system that refuses (read-only, /proc, full): the user's to fix
         raise InputError(f"cannot write {out.name!r}: {exc.strerror or type(exc).__name__}") from None
-    print(f"{out.name}: {segment.duration_seconds:.2f} s of audio at {args.sample_rate or segment.frame_rate} Hz", file=sys.stderr)
+    print(f"{out.name}: {len(wave) / engine.sample_rate:.2f} s of audio at {job.rate(engine.sample_rate)} Hz",
+          file=sys.stderr)
     return 0
 
 
 def cmd_synth_batch(args: argparse.Namespace) -> int:
+    from cosyedge.device import request
+    from cosyedge.device.audio import check_sample_rate
     from cosyedge.device.jobs import DEAD_LETTER, read_lines, run_job
     lines = read_lines(Path(args.input))
     out_dir = Path(args.out_dir)
-    summary = run_job(_engine(args), lines, out_dir, fmt=args.format, voice=args.voice,
-                        sample_rate=args.sample_rate, speed=args.speed, progress=not args.quiet)
+    check_sample_rate(args.sample_rate)  # before the engine loads
+    engine = _engine(args)
+    job = request.parse(request.cli_values(args, request.SYNTH_BATCH), request.SYNTH_BATCH, engine)
+    summary = run_job(engine, lines, out_dir, job, progress=not args.quiet)
     print(json.dumps(summary))
     if summary["failed"]:
         print(f"{summary['failed']} line(s) failed; see {out_dir.name}/{DEAD_LETTER}", file=sys.stderr)
@@ -102,7 +110,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
+    parser.add_argument("--bundle", default=os.environ.get("COSYEDGE_BUNDLE") or None,
+                        help="bundle directory (default: $COSYEDGE_BUNDLE, as for serve; else the embedded default voice)")
     parser.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),
                         help="numeric format of the graphs; auto: the bundle's target for this machine, else its "
                              "measured default")
@@ -119,28 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("text")
     p.add_argument("-o", "--output", required=True)
     _add_engine_args(p)
-    p.add_argument("--voice")
-    p.add_argument("--speed", type=float, default=1.0)
-    p.add_argument("--format", choices=["wav", "mp3", "flac", "opus", "aac", "pcm"])
-    p.add_argument("--sample-rate", type=int)
-    p.add_argument("--deterministic", action="store_true", help="no sampling noise: the same text gives the same audio")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--sampling", choices=["default", "greedy"], default="default")
-    p.add_argument("--mode", choices=["zero_shot", "sft", "cross_lingual", "instruct2"],
-                   help="CosyVoice: inference mode (default: the voice's own)")
-    p.add_argument("--instruct", help="CosyVoice instruct2: how to speak, e.g. '用四川话说这句话'")
-    p.add_argument("--preset", help="CosyVoice2 flow quality preset: official (default), or a faster one the "
-                                    "bundle lists (`cosyedge info`: presets and their measured distance)")
+    add_flags(p, SYNTH)  # the request declaration's fields (cosyedge.device.request); --format default: the suffix
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("synth-batch", help="speak every line of a .txt or .csv (id,text) file, resumably")
     p.add_argument("input")
     p.add_argument("--out-dir", required=True)
     _add_engine_args(p)
-    p.add_argument("--voice")
-    p.add_argument("--speed", type=float, default=1.0)
-    p.add_argument("--format", default="wav", choices=["wav", "mp3", "flac", "opus", "aac", "pcm"])
-    p.add_argument("--sample-rate", type=int)
+    add_flags(p, SYNTH_BATCH)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_synth_batch)
 

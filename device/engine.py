@@ -10,26 +10,30 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
-from pydub import AudioSegment
 
-from cosyedge.device import families
-from cosyedge.device.audio import to_audio_segment
+from cosyedge.device import families, request
+from cosyedge.device.audio import AudioSegment, to_audio_segment
 from cosyedge.device.bundle import PRECISIONS, TARGETS, Bundle
 from cosyedge.device.errors import (BundleError, Cancelled, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError,
-                                    UnknownPresetError, UnknownVoiceError, VoiceExistsError)
-from cosyedge.device.options import SEED_MAX, SPEED_RANGE, BatchLimits, Segment, SynthesisOptions
+                                    ReservedVoiceNameError, TextTooLongError, UnknownPresetError, UnknownVoiceError,
+                                    VoiceExistsError)
+from cosyedge.device.options import BatchLimits, Segment, Stat, SynthesisOptions, Word
 from cosyedge.device.paths import state_dir as default_state_dir
 from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
+from cosyedge.device.text import SPOKEN_EXPANSION
 from cosyedge.device.voice_store import VoiceStore, check_voice_name, read_prompt_audio
 
 log = logging.getLogger(__name__)
 
 # Which build target suits which execution provider, best first.
-_TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", "cpu"))
+# `auto`: the first target the bundle has for the best available provider. On a CPU the 4-bit LLM target comes
+# first, but only where its own gate kept the LLM at int4 (else it is the cpu target with a fallback LLM).
+_TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", "cpu-int4"), ("cpu", "cpu"))
+_DEFINING_STAGE = {"cpu-int4": ("llm", "int4")}   # a target auto takes only where this stage kept this precision
 
 
 def check_selection(precision: str, target: str | None) -> None:
@@ -52,12 +56,14 @@ def selection(name: str) -> dict[str, str | None]:
 
 def choose_graphs(bundle: Bundle, precision: str, target: str | None, sessions: SessionConfig) -> str:
     """The selection to load (checked by `check_selection`): the target, the precision, or for `auto` the bundle's
-    target for the best available provider, else its measured default precision."""
+    target for the best available provider (`_TARGET_FOR_PROVIDER`), else its measured default precision."""
     if target is not None or precision != "auto":
         return target or precision
     available = sessions.available()
     for provider, name in _TARGET_FOR_PROVIDER:
-        if provider in available and name in bundle.targets:
+        stage, kept = _DEFINING_STAGE.get(name, (None, None))
+        if provider in available and name in bundle.targets and \
+                (stage is None or bundle.targets[name].get("stages", {}).get(stage) == kept):
             return name
     return bundle.manifest.default_precision
 
@@ -79,24 +85,6 @@ def _speaker(voice: object, voices: list[str]) -> str:
     raise UnknownVoiceError(f"unknown voice {str(voice)[:64]!r}; available: {', '.join(voices[:20])}")
 
 
-def _speed(speed: object) -> float:
-    try:
-        value = float(speed)  # type: ignore[arg-type]
-    except (TypeError, ValueError, OverflowError):  # OverflowError: an int too large for a float (10**400)
-        raise InputError(f"speed must be a number in {SPEED_RANGE[0]}-{SPEED_RANGE[1]}") from None
-    if not SPEED_RANGE[0] <= value <= SPEED_RANGE[1]:  # NaN fails both comparisons
-        raise InputError(f"speed {value} is out of range {SPEED_RANGE[0]}-{SPEED_RANGE[1]}")
-    return value
-
-
-def _seed(seed: object) -> int | None:
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise InputError(f"seed must be an integer in 0-{SEED_MAX}")
-    return seed
-
-
 class Engine:
     """One loaded bundle. Thread-safe: requests share only read-only state and ORT sessions."""
 
@@ -107,6 +95,8 @@ class Engine:
         self.precision = precision  # the selection actually loaded: a precision or a target name
         self.limits = limits or BatchLimits()
         self.state_dir = state_dir  # registered voices live here (None: paths.state_dir())
+        self._registering: set[str] = set()  # names whose registration is under way
+        self._registering_lock = threading.Lock()
 
     @classmethod
     def load(cls, bundle_path: Path | str | None = None, precision: str = "auto", target: str | None = None,
@@ -140,11 +130,15 @@ class Engine:
         return self.pipeline.voices()
 
     def describe(self) -> dict[str, object]:
-        """The pipeline's description plus which bundle and which graph selection are loaded."""
-        return {**self.pipeline.describe(), "bundle": self.bundle.manifest.name, "selection": self.precision}
+        """The pipeline's description plus which bundle and which graph selection are loaded, the languages its
+        voices speak and who made the model (Wyoming's `info`)."""
+        name, url = self.pipeline.attribution
+        return {**self.pipeline.describe(), "bundle": self.bundle.manifest.name, "selection": self.precision,
+                "languages": self.pipeline.languages(), "attribution": {"name": name or self.bundle.manifest.family,
+                                                                        "url": url}}
 
-    def stats(self) -> dict[str, float]:
-        """The pipeline's counters for /metrics (empty for families without any)."""
+    def stats(self) -> dict[str, Stat]:
+        """The pipeline's gauges for /metrics, by name (empty for families without any)."""
         return self.pipeline.stats()
 
     @property
@@ -152,6 +146,11 @@ class Engine:
         """Whether requests should enter at once, one by one, and share model calls inside the engine (CosyVoice),
         rather than be collected into closed batches for `synthesize_many` (VITS)."""
         return self.pipeline.continuous_batching
+
+    @property
+    def times_words(self) -> bool:
+        """Whether this bundle can time words (a bundle converted before word times cannot: its words are empty)."""
+        return self.pipeline.times_words
 
     def decode_occupancy(self) -> dict[int, int]:
         """Decode steps so far by rows decoded together (CosyVoice; empty for other families)."""
@@ -169,29 +168,62 @@ class Engine:
     def options(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,
                 seed: int | None = None, sampling: str = "default", mode: str | None = None,
                 instruct_text: str | None = None, preset: str | None = None) -> SynthesisOptions:
-        """Validate per-request options once; the result is immutable and private to the request."""
-        if sampling not in ("default", "greedy"):
-            raise InputError(f"unknown sampling {str(sampling)[:32]!r}; choose default or greedy")
-        if instruct_text is not None and not isinstance(instruct_text, str):
-            raise InputError("instruct_text must be a string")
+        """Validate per-request options once, with the request declaration's checks (`request.FIELDS`: the same
+        types, bounds and error codes as every door); the result is immutable and private to the request."""
+        field = request.BY_NAME
+        preset = field["preset"].check(preset)
         if preset is not None and preset not in self.pipeline.presets():
             offered = ", ".join(self.pipeline.presets()) or "none (this model has no quality presets)"
-            raise UnknownPresetError(f"unknown preset {str(preset)[:32]!r}; this bundle offers: {offered}")
-        options = SynthesisOptions(voice=_speaker(voice, self.voices()), speed=_speed(speed),
-                                   deterministic=bool(deterministic), seed=_seed(seed), sampling=sampling,
-                                   mode=mode or None, instruct_text=instruct_text or None, preset=preset)
+            raise UnknownPresetError(f"unknown preset {preset[:32]!r}; this bundle offers: {offered}")
+        deterministic, seed = field["deterministic"].check(deterministic), field["seed"].check(seed)
+        if deterministic and seed is None:
+            seed = request.DETERMINISTIC_SEED  # a sampler that needs a seed gets one: the same text, the same audio
+        options = SynthesisOptions(voice=_speaker(voice, self.voices()), speed=field["speed"].check(speed),
+                                   deterministic=deterministic, seed=seed, sampling=field["sampling"].check(sampling),
+                                   mode=field["mode"].check(mode), instruct_text=field["instruct_text"].check(instruct_text),
+                                   preset=preset)
         self.pipeline.check_options(options)
         return options
 
-    def segments(self, text: object, max_chars: int | None = None) -> list[Segment]:
-        """Validated text -> the family's segments (EmptyTextError, TextTooLongError for unusable text)."""
-        return self.pipeline.segments(self.pipeline.validate_text(text, max_chars or self.limits.max_text_len))
+    def segments(self, text: object, max_chars: int | None = None, words: bool = False) -> list[Segment]:
+        """Validated text -> the family's segments (EmptyTextError, TextTooLongError for unusable text); with
+        `words`, each segment also names the input words it speaks, where the family can time them.
+
+        Work per request is bounded whatever the text: its length is counted after NFKC (`text.validate`), what
+        the family speaks after its own normalisation (numbers spelled out; VITS: phonemes) may be at most
+        SPOKEN_EXPANSION times the limit, and each segment holds at most the family's model-call bound."""
+        limit = max_chars or self.limits.max_text_len
+        valid = self.pipeline.validate_text(text, limit)
+        segments = self.pipeline.word_segments(valid) if words else self.pipeline.segments(valid)
+        spoken = sum(len(segment.text) for segment in segments)
+        if spoken > SPOKEN_EXPANSION * limit:
+            raise TextTooLongError(f"the text reads out as {spoken} characters (or phonemes) once numbers and symbols "
+                                   f"are spelled out; the limit is {SPOKEN_EXPANSION} x {limit}: split it into "
+                                   "several requests")
+        return segments
 
     # -- synthesis --------------------------------------------------------------------------
     def synthesize_waveform(self, text: str, **options) -> np.ndarray:
         """The whole text as one float32 waveform at the bundle's sample rate."""
         validated = self.options(**options)
         return self._many([(self.segments(text), validated)], self.limits.batch_max)[0]
+
+    def synthesize_words(self, text: str, sample_rate: int | None = None, **options) -> tuple[np.ndarray, list[Word]]:
+        """`synthesize_waveform`'s waveform (the same samples) and the words of the text, timed in seconds from
+        its start; with `sample_rate`, on the clock of that audio converted to that rate (times rounded to its
+        samples). No words for a family without word times."""
+        validated = self.options(**options)
+        timed = self.pipeline.synthesize_words(self.segments(text, words=True), validated, self.limits.batch_max)
+        words, offset = [], 0
+        for wave, segment_words in timed:
+            words += [Word(w.text, offset / self.sample_rate + w.start_s, offset / self.sample_rate + w.end_s)
+                      for w in segment_words]
+            offset += wave.size
+        if sample_rate:
+            words = [Word(w.text, round(w.start_s * sample_rate) / sample_rate,
+                          round(w.end_s * sample_rate) / sample_rate) for w in words]
+        waves = [wave for wave, _ in timed]
+        return (np.concatenate(waves) if waves else np.zeros(0, np.float32)), words
 
     def synthesize(self, text: str, voice: str | int | None = None, speed: float = 1.0, **options) -> AudioSegment:
         """The whole text as one AudioSegment at the bundle's sample rate."""
@@ -209,11 +241,41 @@ class Engine:
         """`stream` for validated segments and options (what the API holds); at most `limits.batch_max` rows
         are decoded together. Once `stop` is set, no further chunk is made."""
         stop = stop or threading.Event()
+        for segment in segments:
+            if stop.is_set():
+                return
+            yield from self.stream_segment(segment, options, stop)
+
+    def stream_segment(self, segment: Segment, options: SynthesisOptions,
+                       stop: threading.Event) -> Iterator[np.ndarray]:
+        """One validated segment's chunks as the pipeline makes them (the door's streaming unit); once `stop` is
+        set no further chunk is made and the iterator ends quietly."""
+        try:
+            yield from self.pipeline.stream_request(segment, options, stop, self.limits.batch_max)
+        except Cancelled:
+            if not stop.is_set():
+                raise
+
+    def render(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]]) -> list[list[np.ndarray]]:
+        """Validated requests rendered whole (the non-streaming path: what a file gets), one float32 waveform per
+        segment, in job order; the jobs share model calls as the pipeline allows (the door's file unit)."""
+        return self.pipeline.synthesize_many(jobs, self.limits.batch_max)
+
+    def stream_words(self, segments: Sequence[Segment], options: SynthesisOptions,
+                     stop: threading.Event | None = None) -> Iterator[tuple[np.ndarray, list[Word]]]:
+        """`stream_segments` for segments from `segments(text, words=True)`: each chunk with the words whose audio
+        it completes, timed in seconds from the stream's first sample (a word never comes after the chunk that ends
+        it; no words for a family without word times)."""
+        stop = stop or threading.Event()
+        offset = 0
         try:
             for segment in segments:
                 if stop.is_set():
                     return
-                yield from self.pipeline.stream_request(segment, options, stop, self.limits.batch_max)
+                start = offset / self.sample_rate
+                for chunk, words in self.pipeline.stream_words(segment, options, stop, self.limits.batch_max):
+                    offset += chunk.size
+                    yield chunk, [Word(w.text, start + w.start_s, start + w.end_s) for w in words]
         except Cancelled:
             if not stop.is_set():
                 raise
@@ -254,23 +316,42 @@ class Engine:
                                       "file from a backup, or delete it to drop the voice") from None
                 log.warning("registered voice %s skipped (%s): %s", name, where, exc)
 
-    def add_voice(self, name: str, audio: bytes, prompt_text: str, replace: bool = False) -> str:
+    def add_voice(self, name: str, audio: bytes, prompt_text: str, replace: bool = False,
+                  reserved: Collection[str] = ()) -> str:
         """Register a zero-shot voice from a 1-30 s recording (any common format) and its transcript.
 
         Its tokens, mel and embedding are computed once, stored in the state directory and kept across restarts.
+        A name is registered by one caller at a time: a second registration of a name under way is refused
+        (VoiceExistsError), and the file is created exclusively, so two services sharing a state directory cannot
+        overwrite each other either. Names no request could select are refused (ReservedVoiceNameError): all
+        ASCII digits (a request's digits are a speaker id) and `reserved` (the API's voice aliases).
         """
         if not self.pipeline.supports_voice_registration:
             raise FixedVoicesError(f"{self.bundle.manifest.family} bundles have fixed voices; registering a voice "
                                    "needs a CosyVoice bundle")
         check_voice_name(name)
-        if name in self.voices() and not replace:
-            raise VoiceExistsError(f"voice {name!r} already exists; remove it first or choose another name")
+        if name.isdigit():
+            raise ReservedVoiceNameError(f"voice name {name!r} is all digits, which select a speaker id; "
+                                         "give the name a letter")
+        if name in reserved:
+            raise ReservedVoiceNameError(f"voice name {name!r} is an alias of this service (it selects another "
+                                         "voice); choose another name")
         if not isinstance(prompt_text, str) or not prompt_text.strip():
             raise InvalidVoiceError("the transcript of the prompt audio is missing; zero-shot voices need it")
-        wav, rate = read_prompt_audio(audio)
-        voice = self.pipeline.make_voice(name, wav, rate, prompt_text)
-        self._voice_store().save(name, voice.save)
-        self.pipeline.add_voice(voice)
+        with self._registering_lock:
+            if name in self._registering:
+                raise VoiceExistsError(f"voice {name!r} is being registered by another request; choose another name")
+            if name in self.voices() and not replace:
+                raise VoiceExistsError(f"voice {name!r} already exists; remove it first or choose another name")
+            self._registering.add(name)
+        try:
+            wav, rate = read_prompt_audio(audio)
+            voice = self.pipeline.make_voice(name, wav, rate, prompt_text)
+            self._voice_store().save(name, voice.save, replace=replace)
+            self.pipeline.add_voice(voice)
+        finally:
+            with self._registering_lock:
+                self._registering.discard(name)
         return name
 
     def voice_catalog(self) -> list[dict[str, object]]:

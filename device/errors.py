@@ -47,6 +47,31 @@ class UnknownVoiceError(InputError):
     code = "unknown_voice"
 
 
+class UnknownFieldError(InputError):
+    """A request names a field its door does not have (a typo, or another door's name for a field)."""
+    code = "unknown_field"
+
+
+class SpeedOutOfRangeError(InputError):
+    """The speed is a number outside SPEED_RANGE."""
+    code = "speed_out_of_range"
+
+
+class UnknownFormatError(InputError):
+    """The audio format is not one of FORMATS."""
+    code = "unknown_format"
+
+
+class UnsupportedSampleRateError(InputError):
+    """The output sample rate is outside the range the service resamples to."""
+    code = "unsupported_sample_rate"
+
+
+class UnknownModelError(InputError):
+    """The `model` is neither an accepted OpenAI name nor the bundle's own."""
+    code = "unknown_model"
+
+
 class UnknownPresetError(InputError):
     """The quality preset is not one the bundle offers."""
     code = "unknown_preset"
@@ -57,8 +82,13 @@ class InvalidVoiceError(InputError):
     code = "invalid_voice"
 
 
+class ReservedVoiceNameError(InvalidVoiceError):
+    """A name no request could ever select: all digits (a speaker id) or a name an alias already answers."""
+    code = "voice_name_reserved"
+
+
 class VoiceExistsError(InputError):
-    """A voice of that name exists already (and replacing it was not asked for)."""
+    """A voice of that name exists already, or is being registered right now (and replacing it was not asked for)."""
     code = "voice_exists"
 
 
@@ -67,9 +97,35 @@ class VoiceNotFoundError(InputError):
     code = "voice_not_found"
 
 
+class UnsupportedOptionError(InputError):
+    """The bundle cannot honour an option the request gives (a mode or an instruct text on Piper, a seed on a
+    graph converted before seeds)."""
+    code = "unsupported_option"
+
+
 class FixedVoicesError(InputError):
     """The bundle's model family cannot register or remove voices (VITS), or the voice is part of the bundle."""
     code = "fixed_voices"
+
+
+class EncodingError(CosyedgeError):
+    """The audio encoder (ffmpeg) failed: the service's fault, never the client's."""
+    code = "encoding_failed"
+
+
+class SynthesisFailed(CosyedgeError):
+    """The engine failed on an accepted request (the detail is logged and dead-lettered, never shown)."""
+    code = "synthesis_failed"
+
+
+class DeadlineError(CosyedgeError):
+    """A request waited past its deadline before any work could start for it."""
+    code = "deadline_exceeded"
+
+
+class DoorClosed(CosyedgeError):
+    """The engine's door is closing (the service stops): work not yet started will not be done."""
+    code = "shutting_down"
 
 
 class Cancelled(CosyedgeError):

@@ -1,4 +1,4 @@
-"""Model family name (a manifest's `family`) -> its pipeline class, imported only when a bundle needs it.
+"""Model family name (a manifest's `family`) -> its pipeline class or factory, imported only when a bundle needs it.
 
 The core never imports a family statically (tests/test_layers.py checks it): a box serving VITS never loads
 CosyVoice2's modules, and a new family is one line here plus its folder.
@@ -16,8 +16,8 @@ from cosyedge.device.sessions import SessionConfig
 
 FAMILIES = {
     "vits": "cosyedge.device.vits.pipeline:VitsPipeline",
-    "cosyvoice2": "cosyedge.device.cosyvoice2.pipeline:CosyVoice2Pipeline",
-    "cosyvoice3": "cosyedge.device.cosyvoice3.pipeline:CosyVoice3Pipeline",
+    "cosyvoice2": "cosyedge.device.cosyvoice2.family:pipeline",
+    "cosyvoice3": "cosyedge.device.cosyvoice3.family:pipeline",
 }
 DEFAULT_VOICE = "cosyedge.device.vits.default_voice:default_bundle"  # the embedded voice, built on first use
 

@@ -16,14 +16,17 @@ from pathlib import Path
 from typing import Callable
 
 import soundfile as sf
-from pydub import AudioSegment
-from pydub.exceptions import CouldntDecodeError
 
-from cosyedge.device.audio import check_format, check_sample_rate, encode
+from cosyedge.device.audio import decodes, encode_wave
+from cosyedge.device.door import Door, Job, collect
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import CosyedgeError, InputError
+from cosyedge.device.paths import read_text
+from cosyedge.device.request import Request
 
 DEAD_LETTER = "dead_letter.jsonl"
+MAX_INPUT_BYTES = 64 << 20  # a job's input file (a long book is a few MB); /dev/zero is refused, not read whole
+MAX_ID = 200  # characters of an id: it names the output file (255 bytes at most, with the suffixes)
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -34,20 +37,16 @@ class Line:
 
 
 def read_lines(path: Path) -> list[Line]:
-    """`.csv` with columns id,text (header optional) or `.txt` with one text per line (ids = line numbers)."""
-    if path.is_dir():
-        raise InputError(f"input {path.name!r} is a directory; give a .txt or .csv file")
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"input file {path.name!r} does not exist") from None
-    except OSError:
-        raise InputError(f"input file {path.name!r} cannot be read") from None
-    except UnicodeDecodeError:
-        raise InputError(f"input file {path.name!r} is not UTF-8 text") from None
+    """`.csv` with columns id,text (header optional) or `.txt` with one text per line (ids = line numbers); UTF-8,
+    with or without a byte-order mark (Excel's "CSV UTF-8" has one)."""
+    raw = read_text(path, "input file", MAX_INPUT_BYTES)
     lines: list[Line] = []
     if path.suffix.lower() == ".csv":
-        rows = [r for r in csv.reader(raw.splitlines()) if r]
+        reader = csv.reader(raw.splitlines())
+        try:
+            rows = [r for r in reader if r]
+        except csv.Error as exc:  # e.g. a field over the csv module's 131,072 characters
+            raise InputError(f"{path.name} line {reader.line_num}: not CSV ({exc})") from None
         if rows and [c.strip().lower() for c in rows[0][:2]] == ["id", "text"]:
             rows = rows[1:]
         for number, row in enumerate(rows, 1):
@@ -74,10 +73,7 @@ def _complete(path: Path) -> bool:
             return sf.info(str(path)).frames > 0
         except (RuntimeError, sf.LibsndfileError):
             return False
-    try:  # compressed formats: decode through ffmpeg, as a player would
-        return len(AudioSegment.from_file(str(path))) > 0
-    except (CouldntDecodeError, OSError, IndexError):
-        return False
+    return decodes(path)  # compressed formats: through ffmpeg, as a player would
 
 
 def _out_dir(path: Path) -> Path:
@@ -90,30 +86,40 @@ def _out_dir(path: Path) -> Path:
     return path
 
 
-def run_job(engine: Engine, lines: list[Line], out_dir: Path, fmt: str = "wav", voice: str | None = None,
-              sample_rate: int | None = None, speed: float = 1.0, progress: bool = True) -> dict:
-    """Synthesize every line not yet done; return a summary (done, skipped, failed, audio seconds, RTF)."""
-    fmt, sample_rate = check_format(fmt), check_sample_rate(sample_rate)
-    engine.options(voice=voice, speed=speed)  # fail fast on a bad voice or speed, before any line
+def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, progress: bool = True) -> dict:
+    """Synthesize every line not yet done with the request's options, format and rate, each a whole job through
+    the engine's door; return a summary (done, skipped, failed, audio seconds, RTF)."""
     _out_dir(out_dir)
+    fmt, rate = job.format, engine.sample_rate
 
-    def render(line: Line) -> float:
-        segment = engine.synthesize(line.text, voice=voice, speed=speed)
-        target = out_dir / f"{line.key}.{fmt}"
-        partial = target.with_name(f".{target.name}.partial")
-        partial.write_bytes(encode(segment, fmt, sample_rate))
-        partial.replace(target)
-        return segment.duration_seconds
+    def output(line: Line) -> Path:
+        if len(line.key.encode()) > MAX_ID:  # the file system would refuse its name (ENAMETOOLONG)
+            raise InputError(f"id has {len(line.key.encode())} bytes; it names the output file: at most {MAX_ID}")
+        return out_dir / f"{line.key}.{fmt}"
 
-    return run_lines(lines, render, lambda line: _complete(out_dir / f"{line.key}.{fmt}"), out_dir / DEAD_LETTER,
-                     progress)
+    with Door(engine) as door:
+        def render(line: Line) -> float:
+            target = output(line)
+            wave = collect(door.stream(Job(engine.segments(line.text), job.options, chunked=False)))
+            partial = target.with_name(f".{target.name}.partial")
+            partial.write_bytes(encode_wave(wave, rate, fmt, job.sample_rate))
+            partial.replace(target)
+            return len(wave) / rate
+
+        return run_lines(lines, render, lambda line: _complete(output(line)), out_dir / DEAD_LETTER, progress)
 
 
 def run_lines(lines: list[Line], render: Callable[[Line], float], done: Callable[[Line], bool], dead_letter: Path,
               progress: bool = True) -> dict:
     """The resumable loop of a job: skip the lines `done` says are done, `render` the others (it returns the
     line's audio seconds), a line that fails goes to the `dead_letter` file; a progress bar on stderr."""
-    todo = [line for line in lines if not done(line)]
+    def pending(line: Line) -> bool:
+        try:
+            return not done(line)
+        except CosyedgeError:
+            return True  # an unusable line: render() meets the same refusal and dead-letters it
+
+    todo = [line for line in lines if pending(line)]
     summary = {"total": len(lines), "skipped": len(lines) - len(todo), "done": 0, "failed": 0,
                "audio_s": 0.0, "compute_s": 0.0}
     from tqdm import tqdm

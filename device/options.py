@@ -1,5 +1,6 @@
-"""What one synthesis call asks for (`SynthesisOptions`), the piece of text it works on (`Segment`), and the
-limits of batched calls (`BatchLimits`). Frozen: a value is private to its request and safe to share."""
+"""What one synthesis call asks for (`SynthesisOptions`), the piece of text it works on (`Segment`), a word and
+when it is heard (`Word`), a gauge the engine reports (`Stat`), and the limits of batched calls (`BatchLimits`).
+Frozen: a value is private to its request and safe to share."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,9 @@ from cosyedge.device.errors import InputError
 
 SPEED_RANGE = (0.25, 4.0)
 SEED_MAX = 2**32 - 1  # numpy's SeedSequence takes any int >= 0; the API promises 32 bits, as OpenAI-style clients send
+# CosyVoice instruct2: how to speak ("用四川话说这句话", "Speak cheerfully."). It is LLM prompt text, so it is bounded like
+# a segment's text (after NFKC); a 60 kB instruction drove a worker past 4 GB in 2 s.
+INSTRUCT_MAX_CHARS = 500
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,6 @@ class SynthesisOptions:
     sampling: str = "default"  # "default" (the release's sampler) or "greedy"
     mode: str | None = None  # CosyVoice: zero_shot, sft, cross_lingual, instruct2 (None = the voice's default)
     instruct_text: str | None = None  # CosyVoice instruct2: how to speak ("用四川话说这句话")
-    pin_tokens: int | None = None  # CosyVoice bench: generate exactly this many speech tokens per segment (no stop)
     preset: str | None = None  # CosyVoice2 flow quality preset (official, balanced, fast; None = the bundle default)
 
 
@@ -29,6 +32,24 @@ class Segment:
     """A sentence-sized, model-ready piece of text: the sentence and its token ids (phoneme ids, BPE ids, ...)."""
     text: str
     ids: tuple[int, ...]
+    # The input words it speaks, each with the range of `ids` it was read as, [start, end): only from
+    # `Engine.segments(text, words=True)` on a family that can time words; the audio never depends on it.
+    words: tuple[tuple[str, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Word:
+    """A word of the input text and when it is heard: seconds from the first sample of the audio it is in."""
+    text: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Stat:
+    """One gauge the engine reports (`Engine.stats`, from the pipeline): its value now and what it measures."""
+    value: float
+    help: str
 
 
 @dataclass(frozen=True)

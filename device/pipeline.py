@@ -18,8 +18,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from cosyedge.device import text as textmod
-from cosyedge.device.errors import FixedVoicesError, InputError
-from cosyedge.device.options import Segment, SynthesisOptions
+from cosyedge.device.errors import FixedVoicesError, UnsupportedOptionError
+from cosyedge.device.options import Segment, Stat, SynthesisOptions, Word
 
 Job = tuple[Sequence[Segment], SynthesisOptions]
 
@@ -35,6 +35,8 @@ class Pipeline(abc.ABC):
     # True: requests may enter the pipeline one by one at any time and share model calls inside it (CosyVoice's
     # decode scheduler), so the API hands each request over at once instead of collecting closed batches.
     continuous_batching: bool = False
+    # Who made the model and where it comes from (Wyoming's `info`, through `Engine.describe`): name, URL.
+    attribution: tuple[str, str] = ("", "")
 
     # -- required ---------------------------------------------------------------------------
     @abc.abstractmethod
@@ -62,15 +64,43 @@ class Pipeline(abc.ABC):
         """Quality presets a request may name in `SynthesisOptions.preset` (default: none, only None is valid)."""
         return []
 
+    def languages(self) -> list[str]:
+        """The languages the voices speak, as Wyoming names them (en_US, zh); default: none declared."""
+        return []
+
     def validate_text(self, text: object, max_chars: int) -> str:
         """Type, emptiness, length and something speakable; returns the text the family's `segments` expects
         (default: the generic NFKC clean-up; a family whose frontend normalises itself returns the raw text)."""
         return textmod.validate(text, max_chars)
 
     def check_options(self, options: SynthesisOptions) -> None:
-        """Refuse options the family cannot honour, before any work is queued (default: no modes, no instruct)."""
+        """Refuse options the family cannot honour, before any work is queued (default: no modes, no instruct);
+        every door hands its options here, so a field is refused the same way whichever door it came through."""
         if options.mode is not None or options.instruct_text is not None:
-            raise InputError("this bundle's model family has no modes or instruct text")
+            raise UnsupportedOptionError("this bundle's model family has no modes or instruct text")
+
+    @property
+    def times_words(self) -> bool:
+        """Whether this bundle can time words (`word_segments` gives words; default: no)."""
+        return False
+
+    def word_segments(self, text: str) -> list[Segment]:
+        """`segments`, each with the input words it speaks (`Segment.words`) where the family can time them
+        (default: the segments without words). The ids, and so the audio, are those of `segments`."""
+        return self.segments(text)
+
+    def synthesize_words(self, segments: Sequence[Segment], options: SynthesisOptions, batch_max: int,
+                         ) -> list[tuple[np.ndarray, tuple[Word, ...]]]:
+        """Each segment's waveform, the one `synthesize_many` gives it, with its words timed from its first sample
+        (default: no words, for a family without word times)."""
+        return [(wave, ()) for wave in self.synthesize_many([(segments, options)], batch_max)[0]]
+
+    def stream_words(self, segment: Segment, options: SynthesisOptions, stop: threading.Event | None,
+                     batch_max: int) -> Iterator[tuple[np.ndarray, tuple[Word, ...]]]:
+        """`stream_request`'s chunks, each with the words whose audio is complete once it has been sent (times from
+        the segment's first sample; a word never comes after the chunk that ends it). Default: no words."""
+        for chunk in self.stream_request(segment, options, stop or threading.Event(), batch_max):
+            yield chunk, ()
 
     def reproducible(self, options: SynthesisOptions) -> bool:
         """Whether `options` give the same audio on every call (what a cache may keep); default: never promised."""
@@ -145,8 +175,9 @@ class Pipeline(abc.ABC):
         """Forget a registered voice."""
         raise self._fixed()
 
-    def stats(self) -> dict[str, float]:
-        """Counters for /metrics (CosyVoice2: decode_steps, decode_rows_mean, decode_active_rows)."""
+    def stats(self) -> dict[str, Stat]:
+        """Gauges for /metrics, by name (the API exposes each as `cosyedge_<name>` without knowing it); default
+        none. CosyVoice: its decode scheduler's steps, rows per step, rows decoding, joined and withdrawn."""
         return {}
 
     @staticmethod

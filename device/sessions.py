@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import onnxruntime as ort
 
 from cosyedge.device.errors import ProviderError
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+ARENA_POLICIES = ("shrink", "keep")
+VITS_SHRINK_ABOVE = 192  # phoneme ids in one VITS call (rows x ids): an everyday sentence stays under it
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,19 @@ class SessionConfig:
     session_factory: Callable[[Path, "SessionConfig"], Any] | None = None
     # TensorRT: per-graph optimisation profiles, caches and the device's limits (cosyedge.device.trt); None = none.
     trt: "TrtSessionOptions | None" = None
+    # ONNX Runtime graph optimizers not to run (their names), e.g. NchwcTransformer where its layout cannot pay.
+    disabled_optimizers: tuple[str, ...] = ()
+    # What the memory arena of a CPU session of `shrink_graphs` keeps after a graph call: "shrink" hands every
+    # region the call no longer uses back (the next call of another length allocates afresh), "keep" lets the arena
+    # grow to the largest calls seen (ONNX Runtime's default; requests of varying lengths fragment it: a full-size
+    # HiFT decoder grew 154 -> 302 MB over five calls of 300-520 frames, 15-62 MB with "shrink"). Each graph names
+    # the smallest call that shrinks (elements of its largest input): VITS shrinks only after long calls (the
+    # default voice's service reading hostile texts peaked at 617-752 MB with "keep", ~510 MB with "shrink"),
+    # since re-faulting fresh pages after every everyday sentence would cost more than the memory saved. Other
+    # graphs keep their arenas: their calls are small and frequent (LLM decode steps).
+    arena: str = "shrink"
+    shrink_graphs: tuple[tuple[str, int], ...] = (("flow_encoder", 0), ("flow_estimator", 0), ("hift_source", 0),
+                                                  ("hift_decoder", 0), ("vits", VITS_SHRINK_ABOVE))
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.providers if p not in PROVIDER_NAMES]
@@ -40,6 +56,8 @@ class SessionConfig:
             raise ProviderError(f"unknown execution provider(s) {unknown}; choose from {', '.join(PROVIDER_NAMES)}")
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             raise ProviderError("thread counts must be >= 0")
+        if self.arena not in ARENA_POLICIES:
+            raise ProviderError(f"arena policy must be one of {', '.join(ARENA_POLICIES)}")
 
     @classmethod
     def from_env(cls) -> "SessionConfig":
@@ -54,8 +72,16 @@ class SessionConfig:
         if not (threads.isascii() and threads.isdecimal() and len(threads) <= 4):
             raise ProviderError(f"COSYEDGE_THREADS must be a whole number of threads (0 = one per core), "
                                 f"not {threads[:20]!r}")
+        arena = os.environ.get("COSYEDGE_ARENA", "shrink").strip()
+        if arena not in ARENA_POLICIES:
+            raise ProviderError(f"COSYEDGE_ARENA must be one of {', '.join(ARENA_POLICIES)}, not {arena[:20]!r}")
         return cls(providers=providers, intra_op_threads=int(threads),
-                   trt_cache_dir=Path(cache) if cache else None, trt=trt)
+                   trt_cache_dir=Path(cache) if cache else None, trt=trt, arena=arena)
+
+    def threads(self) -> int:
+        """The intra-op threads a session gets: the configured count, or ORT's default of one per core (counted
+        as the CPUs this process may run on)."""
+        return self.intra_op_threads or len(os.sched_getaffinity(0))
 
     def row_limit(self, default: int) -> int:
         """Rows one graph call may hold: the device profile's cap when TensorRT engines have fixed profiles."""
@@ -115,14 +141,47 @@ def create_session(path: Path, config: SessionConfig) -> ort.InferenceSession:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     providers = config.resolved_providers(path)
     try:
-        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers,
+                                       disabled_optimizers=list(config.disabled_optimizers) or None)
     except Exception as exc:  # noqa: BLE001 - ORT raises its own untyped errors
         raise ProviderError(f"cannot create an ONNX Runtime session for {path.name}: {type(exc).__name__}") from None
     wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
     if session.get_providers()[0] != wanted:
         log.warning("%s runs on %s instead of %s", path.name, session.get_providers()[0], wanted)
     return_freed_memory()
+    above = dict(config.shrink_graphs).get(Path(path).name.split(".")[0])
+    if config.arena == "shrink" and above is not None and session.get_providers()[0] == PROVIDER_NAMES["cpu"]:
+        return ShrinkingSession(session, above)
     return session
+
+
+class ShrinkingSession:
+    """An ONNX Runtime CPU session whose graph calls larger than `above` (elements of the largest input) end by
+    shrinking its memory arena (RunOptions `memory.enable_memory_arena_shrinkage`): what such a call allocated goes
+    back once the call is over, so the resident set between requests stays the weights, not the largest
+    activations seen. Everything else delegates."""
+
+    def __init__(self, session: ort.InferenceSession, above: int = 0) -> None:
+        self._session, self._above = session, above
+        self._options = ort.RunOptions()
+        self._options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+
+    def run(self, output_names: Any, input_feed: Any, run_options: ort.RunOptions | None = None) -> Any:
+        if max((np.size(value) for value in input_feed.values()), default=0) <= self._above:
+            return self._session.run(output_names, input_feed, run_options)
+        try:
+            return self._session.run(output_names, input_feed, run_options or self._options)
+        finally:
+            return_freed_memory()      # what the arena freed sits in glibc's heap until trimmed
+
+    def run_with_iobinding(self, binding: Any, run_options: ort.RunOptions | None = None) -> Any:
+        try:
+            return self._session.run_with_iobinding(binding, run_options or self._options)
+        finally:
+            return_freed_memory()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
 
 
 def return_freed_memory() -> None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import io
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 
 from cosyedge.device.bundle import Bundle
-from cosyedge.device.errors import InvalidVoiceError, VoiceNotFoundError
+from cosyedge.device.errors import InvalidVoiceError, VoiceExistsError, VoiceNotFoundError
 
 VOICE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 MIN_PROMPT_SECONDS, MAX_PROMPT_SECONDS = 1.0, 30.0
@@ -22,6 +23,7 @@ MIN_PROMPT_SECONDS, MAX_PROMPT_SECONDS = 1.0, 30.0
 MIN_PROMPT_RATE, MAX_PROMPT_RATE = 8000, 192000
 MAX_PROMPT_BYTES = 16 << 20  # 30 s of 48 kHz stereo 16-bit WAV is 11 MB
 SILENCE_RMS = 1e-3
+_PARTIAL = re.compile(r"\..+\.npz\.(\d+)(?:\.[A-Za-z0-9_]+)?\.partial")  # what `save` writes while it runs
 
 
 def check_voice_name(name: object) -> str:
@@ -99,24 +101,45 @@ class VoiceStore:
     def path(self, name: str) -> Path:
         return self.root / f"{check_voice_name(name)}.npz"
 
-    def save(self, name: str, write) -> Path:
-        """`write(file_object)` writes the voice; the file appears complete or not at all."""
+    def save(self, name: str, write, replace: bool = False) -> Path:
+        """`write(file_object)` writes the voice; the file appears complete or not at all.
+
+        The temporary file has a name of its own (`.<voice>.npz.<pid>.<random>.partial`, created exclusively), so
+        concurrent writers never share one; without `replace` the voice file is created exclusively too (a hard
+        link that fails if the name exists), so a registration never overwrites another's voice.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
         target = self.path(name)
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        with partial.open("wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())  # the rename below must never expose a file the disk has not got
-        partial.replace(target)
+        fd, temp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".partial", dir=self.root)
+        partial = Path(temp)
+        try:
+            os.fchmod(fd, 0o644)  # as a plain open() under the usual umask: the service reads what the CLI wrote
+            with os.fdopen(fd, "wb") as handle:
+                write(handle)
+                handle.flush()
+                os.fsync(handle.fileno())  # the rename below must never expose a file the disk has not got
+            if replace:
+                partial.replace(target)
+            else:
+                try:
+                    os.link(partial, target)
+                except FileExistsError:
+                    raise VoiceExistsError(f"voice {name!r} already exists; remove it first or choose another "
+                                           "name") from None
+        finally:
+            partial.unlink(missing_ok=True)
         return target
 
     def remove_stale_partials(self) -> list[Path]:
-        """Delete `.<voice>.npz.<pid>.partial` files whose writer is dead (a registration killed mid-save)."""
+        """Delete `.<voice>.npz.<pid>[.<random>].partial` files whose writer is dead (a registration killed
+        mid-save)."""
         removed = []
         for partial in self.root.glob(".*.npz.*.partial") if self.root.is_dir() else ():
-            pid = partial.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            match = _PARTIAL.fullmatch(partial.name)
+            if match is None:
+                continue
+            pid = int(match.group(1))
+            if pid != os.getpid() and not _alive(pid):
                 partial.unlink(missing_ok=True)
                 removed.append(partial)
         return removed

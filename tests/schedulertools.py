@@ -84,15 +84,40 @@ def assert_first_chunk_goes_first(engine: Engine, segment: Segment, options: Syn
     assert made == ["B", "A"]
 
 
-def record_flow_batches(monkeypatch, pipeline) -> list[set[int]]:
-    """Patch the pipeline's batched flow call so that each call records which requests it held (one FlowPrompt
-    object per request); the returned list fills as the pipeline renders."""
-    batches: list[set[int]] = []
+def record_flow_batches(monkeypatch, pipeline) -> list[list[int]]:
+    """Patch the pipeline's batched flow call so that each call records its rows (the FlowPrompt object of each:
+    one per voice, `len(set(...))` the voices); the returned list fills as the pipeline renders."""
+    batches: list[list[int]] = []
     mels = pipeline._flow.mels
 
     def recorded(prompts, token_rows, *preset):
-        batches.append({id(p) for p in prompts})
+        batches.append([id(p) for p in prompts])
         return mels(prompts, token_rows, *preset)
 
     monkeypatch.setattr(pipeline._flow, "mels", recorded)
     return batches
+
+
+def assert_first_chunks_share_one_flow_call(engine: Engine, monkeypatch, jobs: Sequence[tuple[str, list[int]]],
+                                            rows_per_call: list[int]) -> None:
+    """Streams (voice, tokens) whose first chunks wait at once: those of one length share a flow call (the
+    pipeline's ChunkGate.first_mel; `rows_per_call` sorted), and every chunk equals the stream's chunk alone."""
+    pipeline, gate = engine.pipeline, engine.pipeline._chunk_gate
+    alone = [list(pipeline.stream_tokens(t, engine.options(voice=v, deterministic=True))) for v, t in jobs]
+    batches = record_flow_batches(monkeypatch, pipeline)
+    together: list[list[np.ndarray]] = [[] for _ in jobs]
+
+    def stream(index: int) -> None:
+        voice, tokens = jobs[index]
+        together[index] = list(pipeline.stream_tokens(tokens, engine.options(voice=voice, deterministic=True)))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(jobs))]
+    with gate.turn(1, 0.0):  # another stream's later chunk holds the only slot until every first chunk waits
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: gate.waiting() == len(jobs), "the first chunks never queued")
+    for thread in threads:
+        thread.join(120)
+    assert sorted(len(rows) for rows in batches) == rows_per_call
+    for a, b in zip(alone, together):
+        assert len(a) == len(b) > 1 and all(np.array_equal(x, y) for x, y in zip(a, b))

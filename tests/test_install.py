@@ -90,7 +90,8 @@ def test_installed_project_imports_only_under_cosyedge(tmp_path, editable):
     strays = {name: file for name, file in report["files"].items() if not Path(file).is_relative_to(home)}
     assert not strays, f"modules not loaded from the {'source tree' if editable else 'venv'}: {strays}"
     assert report["leaks"] == {}, f"top-level names that must not be importable: {report['leaks']}"
-    assert report["commands"] == ["bench", "cache", "quantize", "serve", "trt", "wyoming"]
+    assert report["commands"] == ["appliance", "bench", "bench-api", "bundle", "cache", "quantize", "serve", "trt",
+                                  "wyoming"]
 
     cli = subprocess.run([str(python.parent / "cosyedge"), "--help"], capture_output=True, text=True, timeout=300,
                          cwd=outside, env=env)

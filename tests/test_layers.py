@@ -7,7 +7,10 @@ line, the import and the rule it breaks.
 - cosyedge.quantize may import the device, never the API;
 - the device's core (its top-level modules) never imports a model family or the benchmarks (families.py names
   them as strings and imports them with importlib);
-- no import cycle between packages; no `getattr` / `hasattr` capability probing in the engine or the API.
+- the API's service never imports its measurement subpackage (cosyedge.api.bench: bench-api, load, fuzz, the
+  harness); only the subpackage itself and the tests do;
+- no import cycle between packages, nor between the API's modules; no `getattr` / `hasattr` capability probing in
+  the engine or the API.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"device": "cosyedge.device", "api": "cosyedge.api", "quantize": "cosyedge.quantize"}
 TORCH = ("torch", "torchaudio")
 FAMILIES = ("cosyedge.device.vits", "cosyedge.device.cosyvoice2", "cosyedge.device.cosyvoice3")
-API_MAY_IMPORT = ("cosyedge.device", "cosyedge.device.engine", "cosyedge.device.options", "cosyedge.device.errors",
-                  "cosyedge.device.audio", "cosyedge.device.paths")
+API_MAY_IMPORT = ("cosyedge.device", "cosyedge.device.engine", "cosyedge.device.options", "cosyedge.device.request",
+                  "cosyedge.device.errors", "cosyedge.device.audio", "cosyedge.device.paths", "cosyedge.device.door")
 
 
 
@@ -90,6 +93,8 @@ def broken_rule(imp: Import) -> str | None:
             return "cosyedge.api never imports torch or cosyedge.quantize"
         if _within(dst, "cosyedge.device") and dst not in API_MAY_IMPORT:
             return f"cosyedge.api imports from the device only its public surface: {', '.join(API_MAY_IMPORT)}"
+        if _within(dst, "cosyedge.api.bench") and not _within(src, "cosyedge.api.bench"):
+            return "the service never imports its measurement subpackage cosyedge.api.bench"
     if _within(src, "cosyedge.quantize") and _within(dst, "cosyedge.api"):
         return "cosyedge.quantize may import cosyedge.device, never cosyedge.api"
     return None
@@ -139,6 +144,8 @@ def test_checker_flags_forbidden_imports_in_a_synthetic_module():
         ("cosyedge.api.routes.ops", "from cosyedge.device import bench\n"): "public surface",
         ("cosyedge.api.app", "import cosyedge.quantize.cli\n"): "never imports torch or cosyedge.quantize",
         ("cosyedge.quantize.cli", "from cosyedge.api.config import ServiceConfig\n"): "never cosyedge.api",
+        ("cosyedge.api.service", "def f():\n    from cosyedge.api.bench.harness import make_server\n"):
+            "measurement subpackage",
     }
     for (module, source), rule in bad.items():
         path = module.replace("cosyedge.", "").replace(".", "/") + ".py"
@@ -149,6 +156,7 @@ def test_checker_flags_forbidden_imports_in_a_synthetic_module():
         "cosyedge.quantize.cli": "from cosyedge.device.vits.convert import build_piper_bundle\nimport torch\n",
         "cosyedge.device.vits.pipeline": "from cosyedge.device.engine import Engine\n",
         "cosyedge.device.families": "import importlib\nimportlib.import_module(spec)\n",
+        "cosyedge.api.bench.load": "from cosyedge.api.bench.harness import ServiceProcess\nfrom cosyedge.api import app\n",
     }
     for module, source in fine.items():
         assert violations(module, source, "x.py", KNOWN) == [], module
@@ -188,6 +196,10 @@ def test_no_import_cycle_between_packages():
         if b is not None and a != b:
             edges[a].add(b)
             where.setdefault((a, b), f"{imp.path}:{imp.line}")
+    _assert_acyclic(edges, where, "packages")
+
+
+def _assert_acyclic(edges: dict[str, set[str]], where: dict[tuple[str, str], str], what: str) -> None:
     state: dict[str, int] = {}
 
     def visit(node: str, trail: list[str]) -> list[str] | None:
@@ -200,11 +212,25 @@ def test_no_import_cycle_between_packages():
         state[node] = 2
         return None
 
-    for start in sorted(packages):
+    for start in sorted(edges):
         if start not in state and (cycle := visit(start, [])):
             cycle = cycle[cycle.index(cycle[-1]):]
             steps = [f"{a} -> {b} ({where[a, b]})" for a, b in zip(cycle, cycle[1:])]
-            raise AssertionError("import cycle between packages:\n" + "\n".join(steps))
+            raise AssertionError(f"import cycle between {what}:\n" + "\n".join(steps))
+
+
+def test_no_import_cycle_between_the_api_modules():
+    """The API's modules import one way too, imports inside functions included (server.py once imported
+    wyoming.py, which imported server.py back). A route package's `__init__` that lists its modules is a
+    module like the others."""
+    modules = {name for name in _all_modules() if _within(name, "cosyedge.api")}
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    where: dict[tuple[str, str], str] = {}
+    for imp in _real_imports():
+        if imp.module in modules and imp.target in modules and imp.module != imp.target:
+            edges[imp.module].add(imp.target)
+            where.setdefault((imp.module, imp.target), f"{imp.path}:{imp.line}")
+    _assert_acyclic(edges, where, "the API's modules")
 
 
 def test_no_getattr_probing_of_pipelines_in_engine_or_api():

@@ -4,10 +4,10 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from cosyedge.api import bodies, cache
-from cosyedge.api.config import OPENAI_MODELS
 from cosyedge.api.security import hold_stream, note_text
 from cosyedge.api.service import current_service
 from cosyedge.api.synthesis import speak
+from cosyedge.device.request import OPENAI_MODELS
 
 blueprint = Blueprint("openai", __name__)
 

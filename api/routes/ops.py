@@ -13,16 +13,16 @@ blueprint = Blueprint("ops", __name__)
 
 @blueprint.get("/healthz")
 def healthz() -> Response:
-    batcher = current_service().batcher
-    if batcher is not None and not batcher.alive():
+    door = current_service().door
+    if door is not None and not door.alive():
         raise ApiError(500, "worker_stopped", "the engine worker has stopped; restart the service")
     return jsonify({"status": "ok"})
 
 
 @blueprint.get("/readyz")
 def readyz() -> Response:
-    _, batcher = current_service().require_ready()
-    return jsonify({"status": "ready", "queue_depth": batcher.depth()})
+    engine, door = current_service().require_ready()
+    return jsonify({"status": "ready", "queue_depth": door.waiting(), "bundle_sha256": engine.bundle.sha256})
 
 
 @blueprint.get("/metrics")

@@ -26,7 +26,8 @@ def add_voice() -> tuple[Response, int]:
     engine, _ = service.require_ready()
     name, audio, transcript = bodies.voice_upload(service.config.max_text_len)
     note_text(transcript)
-    engine.add_voice(name, audio, transcript)  # device errors -> statuses by code (app error handler)
+    # device errors -> statuses by code (app error handler); an alias would select another voice than this one
+    engine.add_voice(name, audio, transcript, reserved=service.aliases)
     entry = next(v for v in engine.voice_catalog() if v["name"] == name)
     return jsonify({"id": name, **entry}), 201
 

@@ -53,7 +53,7 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
                                  texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling,
                                  presets=args.presets.split(",") if args.presets else None,
                                  progress=lambda line: print(line, file=sys.stderr, flush=True),
-                                 compare=[_compare(item) for item in args.compare or ()])
+                                 compare=[_compare(item) for item in args.compare or ()], words=args.words)
     print(cosyvoice_table(report))
     if out:
         write_json(report, out)
@@ -70,13 +70,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_cosyvoice(args)
     from cosyedge.device.bench.engine import run_bench
     from cosyedge.device.bench.report import engine_table, write_json
-    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts", "presets",
-                               "compare")
-             if getattr(args, name) is not None]
+    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts", "presets")
+             if getattr(args, name) is not None] + (["words"] if args.words else [])
     if given:
         raise InputError(f"--{given[0]} applies to CosyVoice bundles only")
     report = run_bench(args.bundle, args.precisions.split(","), rounds=args.rounds or 3, threads=args.threads,
-                       peer=not args.no_peer)
+                       peer=not args.no_peer, compare={item: _compare(item) for item in args.compare or ()})
     print(engine_table(report))
     if args.json:
         write_json(report, Path(args.json))
@@ -98,6 +97,8 @@ def cmd_bench_graphs(args: argparse.Namespace) -> int:
           f"ms -> {e['achieved_gops']} GOP/s; plain {'x'.join(map(str, ceiling['shape_mkn']))} GEMM on "
           f"{args.threads} threads: fp32 {ceiling['fp32_gops']} GOP/s, dynamic int8 {ceiling['int8_dynamic_gops']} GOP/s",
           file=sys.stderr)
+    top = ", ".join(f"{op} {ms}" for op, ms in list(e["ms_by_op"].items())[:8])
+    print(f"flow_estimator ({args.precision}) kernel ms by op, one profiled call: {top}", file=sys.stderr)
     return 0
 
 
@@ -111,14 +112,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peer", action="store_true", help="skip the piper-tts reference runner")
     p.add_argument("--json", help="write the report to this file")
+    p.add_argument("--compare", action="append", metavar="BUNDLE:PRECISION",
+                   help="also run another bundle of the family at a precision or target (repeatable), interleaved "
+                        "(e.g. the same Piper voice converted by an older version)")
     cv = p.add_argument_group("CosyVoice bundles")
     cv.add_argument("--concurrency", help="concurrent requests, comma list (default 1,4,8)")
     cv.add_argument("--stream", help="on, off or on,off (default both)")
     cv.add_argument("--tokens", type=int, help="pin every segment to N speech tokens (random-weight bundles never stop)")
     cv.add_argument("--reference", metavar="MODEL_DIR",
                     help="also run the PyTorch reference of this release (fp32, concurrency 1), interleaved")
-    cv.add_argument("--compare", action="append", metavar="BUNDLE:PRECISION",
-                    help="also run another CosyVoice bundle at a precision or target (repeatable), interleaved")
     cv.add_argument("--chart", help="write a PNG bar chart (RTF, first-chunk p50, throughput per run); "
                                     "needs matplotlib: pip install cosyedge[chart]")
     cv.add_argument("--texts", type=int, help="use the first N texts of the fixed set (zh and en alternate)")
@@ -126,6 +128,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "default preset); each is measured like a precision")
     cv.add_argument("--sampling", choices=["greedy", "default"], default="greedy",
                     help="greedy (no NSF noise) or the release's sampler")
+    cv.add_argument("--words", action="store_true",
+                    help="synthesize with word times: the alignment pass is the align_s column, align_%% its share "
+                         "of the rest of the synthesis (Piper bundles always report their word-time cost)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("bench-graphs", help="per-graph ONNX Runtime latency of a CosyVoice bundle (pinned lengths)")

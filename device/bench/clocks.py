@@ -11,11 +11,13 @@ from typing import Any, Callable, Iterator
 
 from cosyedge.device.sessions import SessionConfig, create_session
 
-# Stages are timed by call kind: the one `llm` graph's calls count as llm_prefill when their cache is empty
-# (P = 0), as llm_decode otherwise (LLMTimedSession), so the decode time per token stays measurable.
-STAGES = ("frontend", "llm_prefill", "llm_decode", "flow", "hift")
-# ORT graph -> the stage its calls count towards (flow = encoder + estimator, hift = source + decoder)
-GRAPH_STAGE = {"flow_encoder": "flow", "flow_estimator": "flow", "hift_source": "hift", "hift_decoder": "hift"}
+# Stages are timed by call kind: the one `llm` graph's calls count as llm_prefill when they start from an empty
+# cache, as llm_decode otherwise (LLMTimedSession), so the decode time per token stays measurable.
+STAGES = ("frontend", "llm_prefill", "llm_decode", "flow", "hift", "align")
+# ORT graph -> the stage its calls count towards (flow = encoder + estimator, hift = source + decoder, align = the
+# word-timing pass of runs with word times)
+GRAPH_STAGE = {"flow_encoder": "flow", "flow_estimator": "flow", "hift_source": "hift", "hift_decoder": "hift",
+               "llm_align": "align"}
 
 SessionFactory = Callable[[Path, SessionConfig], Any]
 
@@ -84,15 +86,26 @@ class TimedSession:
 
 
 class _CacheBinding:
-    """An IOBinding that remembers the cached length P of the `past_key` bound to it (0: a prefill call)."""
+    """An IOBinding that remembers whether its call is a prefill: stacked caches, the cached length P of the
+    `past_key` bound to it is 0; shared caches (kvcache.py), the new positions are the whole total length."""
 
     def __init__(self, binding: Any) -> None:
         self.binding = binding
         self.past = 0
+        self.total: int | None = None
+        self.length = 0
+
+    @property
+    def prefill(self) -> bool:
+        return self.past == 0 if self.total is None else self.total == self.length
 
     def bind_cpu_input(self, name: str, array: Any) -> None:
         if name == "past_key":
             self.past = int(array.shape[3])
+        elif name == "total_sequence_length":
+            self.total = int(array)
+        elif name == "inputs_embeds":
+            self.length = int(array.shape[1])
         self.binding.bind_cpu_input(name, array)
 
     def bind_ortvalue_input(self, name: str, value: Any) -> None:
@@ -110,20 +123,18 @@ class LLMTimedSession(TimedSession):
     def __init__(self, session: Any, clock: StageClock) -> None:
         super().__init__(session, "llm_decode", clock)
 
-    @staticmethod
-    def _call_kind(past: int) -> str:
-        return "llm_prefill" if past == 0 else "llm_decode"
-
     def run(self, output_names: Any, feeds: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        past = int(feeds["past_key"].shape[3])
-        return self._timed(self._call_kind(past), self._session.run, output_names, feeds, *args, **kwargs)
+        prefill = int(feeds["past_key"].shape[3]) == 0 if "past_key" in feeds else \
+            int(feeds["total_sequence_length"]) == int(feeds["inputs_embeds"].shape[1])
+        return self._timed("llm_prefill" if prefill else "llm_decode", self._session.run, output_names, feeds,
+                           *args, **kwargs)
 
     def io_binding(self) -> _CacheBinding:
         return _CacheBinding(self._session.io_binding())
 
     def run_with_iobinding(self, binding: _CacheBinding, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self._call_kind(binding.past), self._session.run_with_iobinding, binding.binding,
-                           *args, **kwargs)
+        return self._timed("llm_prefill" if binding.prefill else "llm_decode", self._session.run_with_iobinding,
+                           binding.binding, *args, **kwargs)
 
 
 def graph_name(path: Path) -> str:

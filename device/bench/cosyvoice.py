@@ -22,8 +22,8 @@ round-robin to fill the last batch); the c requests of a batch start together on
 device precision, as separate runs of the same worker (the preset is a per-request option); every run carries
 `precision` and `preset` (the reference is the official recipe: `official`).
 
-`--tokens N` pins every segment to exactly N speech tokens (`SynthesisOptions.pin_tokens`: no stop id can be
-chosen), because random-weight bundles never stop sensibly; without it lengths follow the model.
+`--tokens N` pins every segment to exactly N speech tokens (`cosyvoice2.pipeline.pinned`, the bench's own options: no
+stop id can be chosen), because random-weight bundles never stop sensibly; without it lengths follow the model.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class Worker:
     def batch(self, texts: Sequence[str], stream: bool, settings: Settings, reset_peak: bool) -> dict[str, Any]:
         self._send({"cmd": "batch", "texts": list(texts), "stream": stream, "reset_peak": reset_peak,
                     "settings": {"tokens": settings.tokens, "sampling": settings.sampling, "seed": settings.seed,
-                                 "preset": settings.preset}})
+                                 "preset": settings.preset, "words": settings.words}})
         return self._receive()
 
     def close(self) -> None:
@@ -132,6 +132,9 @@ class _Run:
                 if self.decode_steps else None,
                 "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},
                 "peak_rss_mb": self.peak_rss_mb, "stage_rss_mb": dict(self.stage_rss_mb),
+                # the word-timing pass against the rest of the synthesis (runs with --words; concurrency 1: compute)
+                "align_cost_pct": round(100 * self.stage_s["align"] / (sum(self.latency_s) - self.stage_s["align"]), 2)
+                if self.stage_s["align"] else None,
                 "throughput_audio_s_per_s": round(self.audio_s / self.wall_s, 4) if self.wall_s else None}
 
 
@@ -191,12 +194,13 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
                         reference: Path | None = None, threads: int = 2, texts: Sequence[str] = TEXTS,
                         rounds: int = 1, sampling: str = "greedy", presets: Sequence[str] | None = None,
                         progress: Callable[[str], None] | None = None,
-                        compare: Sequence[tuple[Path, str]] = ()) -> dict[str, Any]:
+                        compare: Sequence[tuple[Path, str]] = (), words: bool = False) -> dict[str, Any]:
     """The report `{"machine": ..., "runs": [...]}`; the reference (PyTorch, fp32, same release) runs at
     concurrency 1 only, interleaved batch by batch with the device precisions and presets (one run per precision
     and preset; a precision's presets share its worker). `compare` adds (bundle, precision) pairs of other
     CosyVoice bundles (e.g. CosyVoice2 cpu beside CosyVoice3 cpu) at their default preset, interleaved the same
-    way so their ratios come from one run. `progress` gets a line per batch."""
+    way so their ratios come from one run. `words`: the device runs with word times (their pass is the `align`
+    stage, `align_cost_pct` its share of the rest of the synthesis). `progress` gets a line per batch."""
     say = progress or (lambda line: None)
     chosen = _precisions(bundle, precisions)
     chosen_presets = _presets(bundle, presets)
@@ -204,12 +208,13 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
         raise InputError("--tokens must be at least 1")
     if not texts or any(c < 1 for c in concurrency) or rounds < 1 or sampling not in ("greedy", "default"):
         raise InputError("texts, concurrency >= 1, rounds >= 1 and sampling greedy|default are required")
-    settings = Settings(tokens, sampling)
+    settings = Settings(tokens, sampling, words=words)
     python = sys.executable
     devices = [(f"device-{p}", bundle, p) for p in chosen]
     devices += [(f"device-{Path(b).name}-{p}", Path(b), _precisions(Path(b), [p])[0]) for b, p in compare]
     workers = {name: Worker(name, [python, "-m", DEVICE_WORKER, "--worker", str(b), "--precision", p,
-                                   "--threads", str(threads)]) for name, b, p in devices}
+                                   "--threads", str(threads), *(["--words"] if words else [])])
+               for name, b, p in devices}
     if reference is not None:
         workers["reference"] = Worker("reference", [python, "-m", REFERENCE_WORKERS[_manifest(bundle).family], "--worker",
                                                     str(reference), "--threads", str(threads)])

@@ -1,13 +1,17 @@
 """`cosyedge bench` on a Piper/VITS bundle: real-time factor per sentence and in total, precisions side by side.
 
 RTF = compute seconds / audio seconds. Precisions (and the piper-tts peer) are interleaved sentence by sentence,
-so a noisy shared machine slows them alike and the ratios hold.
+so a noisy shared machine slows them alike and the ratios hold. The first precision also runs with word times
+(`Engine.synthesize_words`), and what they cost is reported two ways: that runner's RTF against the plain one, and
+the word mapping alone (`segments(words=True)` less `segments`, timed on the same sentences) as a share of the
+plain runner's synthesis time.
 """
 from __future__ import annotations
 
 import platform
 import time
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -56,17 +60,25 @@ def _peer(engine: Engine, threads: int) -> PiperPeer | None:
 
 
 def run_bench(bundle: Path | None, precisions: list[str], rounds: int = 3, threads: int = 2,
-              sentences: tuple[str, ...] = SENTENCES, peer: bool = True) -> dict:
+              sentences: tuple[str, ...] = SENTENCES, peer: bool = True,
+              compare: Mapping[str, tuple[Path, str]] | None = None) -> dict:
+    """`compare`: more runners, each named by its `BUNDLE:PRECISION` (another conversion of the voice)."""
     sessions = SessionConfig(providers=("cpu",), intra_op_threads=threads)
     engines = {p: Engine.load(bundle, **selection(p), sessions=sessions) for p in precisions}
     runners = {f"cosyedge-{p}": (lambda text, e=e: e.synthesize_waveform(text, deterministic=True), e.sample_rate)
                for p, e in engines.items()}
+    for name, (other, precision) in (compare or {}).items():
+        engine = Engine.load(other, **selection(precision), sessions=sessions)
+        runners[name] = (lambda text, e=engine: e.synthesize_waveform(text, deterministic=True), engine.sample_rate)
+    first, timed = f"cosyedge-{precisions[0]}", engines[precisions[0]]
+    runners[f"{first}+words"] = (lambda text: timed.synthesize_words(text, deterministic=True)[0], timed.sample_rate)
     piper = _peer(next(iter(engines.values())), threads) if peer else None
     if piper is not None:
         runners[piper.name] = (piper, piper.sample_rate)
     for runner, _ in runners.values():  # warm every runner before timing
         runner("Warm up.")
     per_sentence = {name: [{"text": s, "compute_s": 0.0, "audio_s": 0.0} for s in sentences] for name in runners}
+    mapping_s = 0.0  # word_segments less segments: the words' own share of the text work
     for _ in range(rounds):
         for index, sentence in enumerate(sentences):
             for name, (runner, rate) in runners.items():
@@ -75,6 +87,11 @@ def run_bench(bundle: Path | None, precisions: list[str], rounds: int = 3, threa
                 row = per_sentence[name][index]
                 row["compute_s"] += time.perf_counter() - start
                 row["audio_s"] += wave.size / rate
+            start = time.perf_counter()
+            timed.segments(sentence, words=True)
+            middle = time.perf_counter()
+            timed.segments(sentence)
+            mapping_s += (middle - start) - (time.perf_counter() - middle)
     results = {}
     for name, rows in per_sentence.items():
         for row in rows:
@@ -83,5 +100,10 @@ def run_bench(bundle: Path | None, precisions: list[str], rounds: int = 3, threa
         results[name] = {"rtf": round(compute / audio, 4), "audio_s": round(audio / rounds, 2),
                          "compute_s": round(compute / rounds, 3),
                          "sentences": [{"text": r["text"], "rtf": r["rtf"]} for r in rows]}
+    plain = results[first]
+    words = {"runner": f"{first}+words",
+             "rtf_cost_pct": round(100 * (results[f"{first}+words"]["rtf"] / plain["rtf"] - 1), 2),
+             "mapping_ms_per_sentence": round(1000 * mapping_s / (rounds * len(sentences)), 3),
+             "mapping_cost_pct": round(100 * mapping_s / (plain["compute_s"] * rounds), 2)}
     return {"machine": {"platform": platform.platform(), "processor": platform.machine(), "threads": threads},
-            "rounds": rounds, "peak_rss_mb": peak_rss_mb(), "results": results}
+            "rounds": rounds, "peak_rss_mb": peak_rss_mb(), "results": results, "word_times": words}

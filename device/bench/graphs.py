@@ -1,12 +1,13 @@
 """`cosyedge bench-graphs`: per-graph ONNX Runtime latency of a CosyVoice2 bundle for one utterance.
 
 Synthetic inputs of the real shapes (random weights never stop sensibly, so lengths are pinned): LLM prefill over
-`prompt` positions, `tokens` decode steps with a growing cache, the flow encoder and `n_timesteps` CFG estimator
+`prompt` positions, `tokens` decode steps with a growing cache (the runtime's `LLMCalls`), the flow encoder and `n_timesteps` CFG estimator
 calls over 2 * tokens mel frames, and both HiFT graphs. The median of `repeats` rounds (after one warm-up round).
 
 The estimator's arithmetic (multiply-adds per call and per mel frame, counted from the fp32 graph: ops.py) gives its
 achieved operations per second at the selected precision, printed beside a plain GEMM micro-benchmark on the same
-threads (fp32 and dynamic int8: the practical ceiling of the CPU's kernels).
+threads (fp32 and dynamic int8: the practical ceiling of the CPU's kernels), and where the selected estimator's
+time goes: kernel milliseconds per op type from an ORT profile of one call (`ms_by_op`).
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from typing import Any, Callable
 import numpy as np
 
 from cosyedge.device.bench.clocks import peak_rss_mb
-from cosyedge.device.bench.ops import gemm_ceiling, profiled_macs
+from cosyedge.device.bench.ops import gemm_ceiling, profile_call
 from cosyedge.device.bundle import Bundle
-from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
+from cosyedge.device.cosyvoice2.kvcache import LLMCalls
 from cosyedge.device.sessions import SessionConfig
 
 
@@ -32,6 +33,7 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
     selected = bundle.selected(precision)  # a precision or a quantize target (cpu, gpu-fp16, trt-int8)
     graph = {name: sessions.create(bundle.path(c.file)) for name, c in selected.items()
              if name not in ("campplus", "speech_tokenizer")}
+    llm = LLMCalls(graph["llm"])   # the runtime's calls (either cache contract, IO binding)
     rng = np.random.default_rng(0)
     hidden = np.load(bundle.asset("llm_embedding"), mmap_mode="r").shape[1]
     frames = cfg["token_mel_ratio"] * tokens
@@ -48,15 +50,11 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
         if round_index == 1:
             timings.clear()
         embeds = rng.standard_normal((1, prompt, hidden), dtype=np.float32) * 0.02
-        _, key, value = timed("llm_prefill", lambda: graph["llm"].run(
-            None, prefill_feeds(embeds, np.ones((1, prompt), np.int64), cache_dims(graph["llm"]))))
+        _, cache = timed("llm_prefill", lambda: llm.prefill([embeds]))
         step = rng.standard_normal((1, 1, hidden), dtype=np.float32) * 0.02
         start = time.perf_counter()
-        for i in range(tokens):
-            _, key, value = graph["llm"].run(None, {
-                "inputs_embeds": step, "past_key": key, "past_value": value,
-                "attention_mask": np.ones((1, prompt + i + 1), np.int64),
-                "position_ids": np.array([[prompt + i]], np.int64)})
+        for _ in range(tokens):
+            _, cache = llm.decode(step, cache)
         timings.setdefault("llm_decode_per_token", []).append((time.perf_counter() - start) / tokens)
         token_ids = rng.integers(0, cfg["speech_token_size"], (1, tokens + cfg["pre_lookahead_len"]), dtype=np.int64)
         mu, spks = timed("flow_encoder", lambda: graph["flow_encoder"].run(None, {
@@ -77,10 +75,11 @@ def run_graph_bench(bundle_path: Path, precision: str = "fp32", tokens: int = 25
                "hift": (ms["hift_source"] + ms["hift_decoder"]) / 1000}
     audio_s = frames * cfg["hift_upsample"] / bundle.manifest.sample_rate
     sizes = {name: round(bundle.path(c.file).stat().st_size / 2**20, 1) for name, c in selected.items()}
-    arithmetic = profiled_macs(bundle.path(bundle.component("flow_estimator", "fp32").file), feeds, threads)
+    arithmetic = profile_call(bundle.path(bundle.component("flow_estimator", "fp32").file), feeds, threads)
+    profile = profile_call(bundle.path(selected["flow_estimator"].file), feeds, threads)
     gop = 2 * arithmetic["macs"] / 1e9
     estimator = {"gop_per_call": round(gop, 2), "mac_per_frame": round(arithmetic["macs"] / (2 * frames)),
-                 "macs_by_op": arithmetic["macs_by_op"],
+                 "macs_by_op": arithmetic["macs_by_op"], "ms_by_op": profile["ms_by_op"],
                  "achieved_gops": round(gop / (ms["flow_estimator_call"] / 1000), 1), "gemm_ceiling": gemm_ceiling(threads)}
     return {"bundle": bundle.manifest.name, "precision": {name: c.precision for name, c in selected.items()},
             "selection": precision, "tokens": tokens, "prompt_positions": prompt,

@@ -22,6 +22,7 @@ import onnxruntime as ort
 MATMUL_OPS = {"MatMul", "MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat",
               "MatMulNBits", "FusedMatMul", "QAttention"}
 GEMM_OPS = {"Gemm", "QGemm", "FusedGemm"}
+ATTENTION_OPS = {"MultiHeadAttention"}
 CONV_OPS = {"Conv", "QLinearConv", "FusedConv", "ConvInteger", "ConvTranspose"}
 GEMM_SHAPE = (600, 1024, 1024)  # M, K, N of the ceiling micro-benchmark
 
@@ -39,6 +40,9 @@ def node_macs(op: str, inputs: list[list[int]], outputs: list[list[int]]) -> int
         a = inputs[0]
         k = a[-1] if a else 0
         return int(math.prod(out) * k)
+    if op in ATTENTION_OPS and len(inputs) >= 3:   # query [B, S, H*D], key [B, T, H*D]: Q K^T, then P V
+        b, s, width = inputs[0]
+        return int(b * s * inputs[1][1] * (width + out[-1]))
     if op in GEMM_OPS and len(inputs) >= 2:
         return int(math.prod(out) * inputs[0][-1])
     if op in CONV_OPS and len(inputs) >= 2:
@@ -49,8 +53,12 @@ def node_macs(op: str, inputs: list[list[int]], outputs: list[list[int]]) -> int
     return 0
 
 
-def profiled_macs(model: Path, feeds: dict[str, np.ndarray], threads: int = 1) -> dict[str, Any]:
-    """Multiply-adds of one call of `model` on `feeds`, counted per op type from an ORT profile of that call."""
+CONTAINER_OPS = {"If", "Loop", "Scan"}   # their nested nodes are profiled on their own
+
+
+def profile_call(model: Path, feeds: dict[str, np.ndarray], threads: int = 1) -> dict[str, Any]:
+    """Multiply-adds and kernel milliseconds per op type of one call of `model` on `feeds`, from an ORT profile of
+    that call (after one warm-up call, whose allocations and prepacking are not counted)."""
     with tempfile.TemporaryDirectory() as tmp:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -59,17 +67,24 @@ def profiled_macs(model: Path, feeds: dict[str, np.ndarray], threads: int = 1) -
         options.log_severity_level = 3
         session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
         session.run(None, feeds)
+        session.run(None, feeds)
         events = json.loads(Path(session.end_profiling()).read_text(encoding="utf-8"))
+    last = max(e["ts"] for e in events if e.get("name") == "model_run")
     by_op: dict[str, int] = {}
+    ms: dict[str, float] = {}
     for event in events:
         args = event.get("args", {})
-        if event.get("cat") != "Node" or "op_name" not in args or not event.get("name", "").endswith("_kernel_time"):
+        if event.get("cat") != "Node" or "op_name" not in args or not event.get("name", "").endswith("_kernel_time") \
+                or event["ts"] < last:
             continue
-        macs = node_macs(args["op_name"], _shapes(args.get("input_type_shape", [])),
-                         _shapes(args.get("output_type_shape", [])))
+        op = args["op_name"]
+        if op not in CONTAINER_OPS:
+            ms[op] = ms.get(op, 0.0) + event["dur"] / 1000
+        macs = node_macs(op, _shapes(args.get("input_type_shape", [])), _shapes(args.get("output_type_shape", [])))
         if macs:
-            by_op[args["op_name"]] = by_op.get(args["op_name"], 0) + macs
-    return {"macs": sum(by_op.values()), "macs_by_op": by_op}
+            by_op[op] = by_op.get(op, 0) + macs
+    return {"macs": sum(by_op.values()), "macs_by_op": by_op,
+            "ms_by_op": {k: round(v, 1) for k, v in sorted(ms.items(), key=lambda kv: -kv[1])}}
 
 
 def _gemm_model(path: Path, m: int, k: int, n: int) -> None:

@@ -16,11 +16,17 @@ def write_json(report: dict[str, Any], path: Path) -> Path:
 def engine_table(report: dict[str, Any]) -> str:
     """Piper/VITS bench: one row per sentence, one RTF column per runner, the total RTF last."""
     names = list(report["results"])
-    lines = ["sentence".ljust(48) + "".join(n.rjust(18) for n in names)]
+    width = max(18, *(len(n) + 2 for n in names))
+    lines = ["sentence".ljust(48) + "".join(n.rjust(width) for n in names)]
     for index, row in enumerate(report["results"][names[0]]["sentences"]):
         lines.append(row["text"][:46].ljust(48)
-                     + "".join(f"{report['results'][n]['sentences'][index]['rtf']:18.4f}" for n in names))
-    lines.append("TOTAL RTF".ljust(48) + "".join(f"{report['results'][n]['rtf']:18.4f}" for n in names))
+                     + "".join(f"{report['results'][n]['sentences'][index]['rtf']:{width}.4f}" for n in names))
+    lines.append("TOTAL RTF".ljust(48) + "".join(f"{report['results'][n]['rtf']:{width}.4f}" for n in names))
+    if "word_times" in report:
+        words = report["word_times"]
+        lines.append(f"word times: {words['runner']} RTF {words['rtf_cost_pct']:+.2f} %; word mapping "
+                     f"{words['mapping_ms_per_sentence']:.3f} ms per sentence = {words['mapping_cost_pct']:.2f} % "
+                     "of synthesis")
     return "\n".join(lines)
 
 
@@ -36,7 +42,7 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     header = ("#", "backend", "precision", "preset", "conc", "stream", "audio_s", "wall_s", "rtf", "fc_p50", "fc_p95", "ms/tok",
-              "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "rss_mb", "audio_s/s")
+              "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "align_s", "align_%", "rss_mb", "audio_s/s")
     rows = []
     several = len({r["bundle"] for r in report["runs"] if r["backend"] == "device"}) > 1   # --compare: name them
 
@@ -49,6 +55,7 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
                      "on" if run["stream"] else "off", num(run["audio_s"], 2), num(run["wall_s"], 2), num(run["rtf"]),
                      num(run["first_chunk_s_p50"]), num(run["first_chunk_s_p95"]), num(run["llm_ms_per_token"], 1),
                      num(s["frontend"]), num(s["llm_prefill"]), num(s["llm_decode"]), num(s["flow"]), num(s["hift"]),
+                     num(s.get("align") or None), num(run.get("align_cost_pct"), 2),
                      num(run["peak_rss_mb"], 0), num(run["throughput_audio_s_per_s"])))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)] if rows else [len(h) for h in header]
     lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in (header, *rows)]

@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -43,6 +43,7 @@ class Settings:
     sampling: str  # "greedy" (argmax, no NSF noise) or "default" (the release's sampler, seeded noise)
     seed: int = 0
     preset: str | None = None  # CosyVoice2 flow quality preset (None: the bundle default; the reference ignores it)
+    words: bool = False  # with word times (the device's alignment pass after each segment; the reference ignores it)
 
 
 class Backend:
@@ -51,6 +52,7 @@ class Backend:
     clock: StageClock
     sample_rate: int
     samples_per_token: int
+    words = False  # warm up the word-timing path too (a device worker started for runs with --words)
 
     def describe(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -62,7 +64,7 @@ class Backend:
     def warm_up(self) -> None:
         """Run both paths once (lazy ORT initialisation, first allocations) before anything is timed."""
         for stream in (False, True):
-            _, chunks = self.synthesize(TEXTS[1], stream, Settings(WARMUP_TOKENS, "greedy"), 0)
+            _, chunks = self.synthesize(TEXTS[1], stream, Settings(WARMUP_TOKENS, "greedy", words=self.words), 0)
             for _ in chunks:
                 pass
 
@@ -150,7 +152,7 @@ class DeviceBackend(Backend):
     `create` makes the underlying sessions (default: ONNX Runtime); tests pass a counting one."""
 
     def __init__(self, bundle: Path, precision: str, threads: int,
-                 create: SessionFactory = create_session) -> None:
+                 create: SessionFactory = create_session, words: bool = False) -> None:
         from cosyedge.device.engine import Engine, selection
         from cosyedge.device.sessions import SessionConfig
 
@@ -162,6 +164,7 @@ class DeviceBackend(Backend):
         self.sample_rate = self.engine.sample_rate
         self.samples_per_token = int(cfg["hift_upsample"]) * int(cfg["token_mel_ratio"])
         self._bundle = Path(bundle)
+        self.words = words
         self.warm_up()
 
     def describe(self) -> dict[str, Any]:
@@ -169,15 +172,20 @@ class DeviceBackend(Backend):
                 "precision": self.engine.pipeline.describe()["precision"], "sample_rate": self.sample_rate}
 
     def synthesize(self, text: str, stream: bool, settings: Settings, index: int) -> tuple[int, Iterator[np.ndarray]]:
+        from cosyedge.device.cosyvoice2.pipeline import pinned  # the bench's own options: pinned lengths
         greedy = settings.sampling == "greedy"
-        options = replace(self.engine.options(deterministic=greedy, seed=settings.seed + index,
-                                              sampling=settings.sampling, preset=settings.preset),
-                          pin_tokens=settings.tokens)
+        options = pinned(self.engine.options(deterministic=greedy, seed=settings.seed + index,
+                                             sampling=settings.sampling, preset=settings.preset), settings.tokens)
         with self.clock.timed("frontend"):
-            segments = self.engine.segments(text)
-        pipeline = self.engine.pipeline
-        if stream:
-            chunks: Iterator[np.ndarray] = (chunk for segment in segments for chunk in pipeline.stream(segment, options))
+            segments = self.engine.segments(text, words=settings.words)
+        pipeline, rows = self.engine.pipeline, self.engine.limits.batch_max
+        if settings.words and stream:
+            chunks: Iterator[np.ndarray] = (chunk for segment in segments
+                                            for chunk, _ in pipeline.stream_words(segment, options, None, rows))
+        elif settings.words:
+            chunks = (wave for wave, _ in pipeline.synthesize_words(segments, options, rows))
+        elif stream:
+            chunks = (chunk for segment in segments for chunk in pipeline.stream(segment, options))
         else:
             chunks = iter(pipeline.synthesize(segments, options))
         return len(segments), chunks
@@ -188,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", required=True, metavar="BUNDLE")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--words", action="store_true", help="warm up the word-timing path too")
     args = parser.parse_args(argv)
-    return serve(lambda: DeviceBackend(Path(args.worker), args.precision, args.threads))
+    return serve(lambda: DeviceBackend(Path(args.worker), args.precision, args.threads, words=args.words))
 
 
 if __name__ == "__main__":

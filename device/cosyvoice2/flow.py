@@ -77,10 +77,11 @@ class Flow:
                           )[:, :, prompt.mel.shape[0]:]
 
     def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray],
-             preset: Preset | None = None) -> list[np.ndarray]:
-        """Non-streaming mels of several token sequences, each with its own prompt (voice): one encoder call each,
-        one padded Euler batch."""
-        conditions = [self._condition(prompt, tokens, finalize=True, streaming=False)
+             preset: Preset | None = None, streaming: bool = False) -> list[np.ndarray]:
+        """Mels of several token sequences, each with its own prompt (voice): one encoder call each, one padded
+        Euler batch. streaming=False: whole utterances (finalize on); True: first chunks of streams, each as
+        `mel(prompt, tokens, False, True, preset)` gives it (finalize off, streaming attention, whole history)."""
+        conditions = [self._condition(prompt, tokens, finalize=not streaming, streaming=streaming)
                       for prompt, tokens in zip(prompts, token_rows)]
         frames = [mu.shape[2] for mu, _, _ in conditions]
         width = max(frames)
@@ -90,7 +91,7 @@ class Flow:
                                    for c in conditions])
 
         mask = (np.arange(width)[None, None, :] < np.array(frames)[:, None, None]).astype(np.float32)
-        x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), False, mask, preset)
+        x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), streaming, mask, preset)
         return [x[row:row + 1, :, prompt.mel.shape[0]:size] for row, (prompt, size) in enumerate(zip(prompts, frames))]
 
     def _condition(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool

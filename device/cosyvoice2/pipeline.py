@@ -1,4 +1,9 @@
-"""CosyVoice2 bundles: text -> BPE ids -> speech tokens (LLM) -> mel (flow) -> 24 kHz waveform (HiFT).
+"""CosyVoice bundles (both families): text -> BPE ids -> speech tokens (LLM) -> token filter -> mel (flow) -> 24 kHz
+waveform (HiFT).
+
+One pipeline, built from the family's parts (`parts.FamilyParts`: frontend, decode settings, vocoder, stream
+schedule, token filter, voice rules; CosyVoice2's in `family.py`, Fun-CosyVoice3's in `cosyvoice3/family.py`), so
+whatever is written here (presets, streaming, batching, cancellation) serves both families.
 
 Torch-free: numpy + ONNX Runtime only. Every per-request value (voice inputs, random generator, streaming
 caches and chunk offsets) lives in local variables of the call; the pipeline holds only read-only tables and
@@ -16,26 +21,27 @@ decode steps, and each request keeps its own sampler state, so its tokens do not
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from cosyedge.device import text as textmod
 from cosyedge.device.bundle import Bundle
+from cosyedge.device.cosyvoice2.alignment import StreamWords, segment_words, token_edges
+from cosyedge.device.cosyvoice2.attention import AttentionPass, SegmentPass
 from cosyedge.device.cosyvoice2.features import FlowMelConfig, extract_prompt
 from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretch_mel
-from cosyedge.device.cosyvoice2.frontend import TextFrontend
-from cosyedge.device.cosyvoice2.llm import DecodeConfig, SpeechLM
+from cosyedge.device.cosyvoice2.llm import SpeechLM
+from cosyedge.device.cosyvoice2.parts import FamilyParts, PartsBuilder
 from cosyedge.device.cosyvoice2.presets import Preset, bundle_presets
 from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
 from cosyedge.device.cosyvoice2.streaming import ChunkGate, stream_tokens
-from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
-from cosyedge.device.cosyvoice2.voices import END_OF_PROMPT, MODES, ModeInputs, Voice
+from cosyedge.device.cosyvoice2.voices import ModeInputs, Voice
 from cosyedge.device.errors import (BundleError, Cancelled, EmptyTextError, FixedVoicesError, InputError,
-                                    UnknownVoiceError)
-from cosyedge.device.options import Segment, SynthesisOptions
+                                    InvalidVoiceError, UnknownVoiceError)
+from cosyedge.device.options import Segment, Stat, SynthesisOptions, Word
 from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
 from cosyedge.device.voice_store import check_voice_name
@@ -44,20 +50,36 @@ MAX_PROMPT_TEXT = 2000  # characters of a prompt transcript
 DECODE_ROWS = 16  # rows one decode step may hold (requests beyond wait for a row to stop)
 FLOW_ROWS = 8  # rows of one padded flow batch
 STAGES = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+ALIGN_GRAPH = "llm_align"  # the word-timing pass (optional: bundles written before it give no words)
 
 
-class CosyVoice2Pipeline(Pipeline):
-    """One CosyVoice2 bundle: sessions and tables shared, everything per request passed in."""
+@dataclass(frozen=True)
+class PinnedOptions(SynthesisOptions):
+    """The bench's request (not a public field): every segment decodes exactly `pin_tokens` speech tokens, no stop
+    id can be chosen, because random-weight bundles never stop sensibly."""
+    pin_tokens: int | None = None
+
+
+def pinned(options: SynthesisOptions, tokens: int | None) -> PinnedOptions:
+    """`options` with every segment pinned to `tokens` speech tokens (None: lengths follow the model)."""
+    return PinnedOptions(**asdict(options), pin_tokens=tokens)
+
+
+def pinned_tokens(request: SynthesisOptions) -> int | None:
+    return request.pin_tokens if isinstance(request, PinnedOptions) else None
+
+
+class CosyVoicePipeline(Pipeline):
+    """One CosyVoice bundle of either family: sessions and tables shared, everything per request passed in."""
 
     supports_voice_registration = True
     continuous_batching = True
-    family = "cosyvoice2"
+    instruct2_uses_instruction = False  # True: a family's saved-speaker quirk is not reproduced (not official)
 
-    def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
+    def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig, parts: PartsBuilder) -> None:
         manifest = bundle.manifest
         cfg = manifest.config
         self.sample_rate = manifest.sample_rate
-        self._frontend = self._text_frontend(bundle.asset("tokenizer"))
         self._frontend_lock = threading.Lock()  # the wetext normalisers are built lazily and are not known thread-safe
         graphs = bundle.selected(precision)  # a precision (fp32, int8) or a quantize target (cpu, trt-int8)
         missing = [name for name in STAGES if name not in graphs]
@@ -70,8 +92,14 @@ class CosyVoice2Pipeline(Pipeline):
         s = self._sessions
         self._chunk_gate = ChunkGate()  # concurrent streams' chunk work, first chunks first (decode waits for them)
         try:
+            self._parts: FamilyParts = parts(cfg, bundle.asset("tokenizer"), (s["hift_source"], s["hift_decoder"]),
+                                             manifest.sample_rate)
+            self.family, self.attribution = self._parts.family, self._parts.attribution
+            self._frontend = self._parts.frontend
             self._lm = SpeechLM(s["llm"], bundle.asset("embed_tokens"), bundle.asset("speech_embedding"),
-                                bundle.asset("llm_embedding"), self._decode_config(cfg))
+                                bundle.asset("llm_embedding"), self._parts.decode)
+            self._aligner = AttentionPass(bundle.path(graphs[ALIGN_GRAPH].file), sessions,
+                                          bundle.asset("speech_embedding")) if ALIGN_GRAPH in graphs else None
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS),
                                             before_step=self._chunk_gate.wait_first_chunks)
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)
@@ -79,8 +107,8 @@ class CosyVoice2Pipeline(Pipeline):
             noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
             self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg))
             self._presets, self._default_preset, self._presets_measured = bundle_presets(cfg)
-            self._vocoder = self._make_vocoder(s["hift_source"], s["hift_decoder"], cfg)
-            self._stream_config = self._read_stream_config(cfg["stream"])
+            self._vocoder = self._parts.vocoder
+            self._schedule = self._parts.schedule
             self._mel_bins = int(cfg["mel"]["n_mels"])
             self._mel_config = FlowMelConfig(**cfg["mel"])
         except (KeyError, TypeError, ValueError) as exc:
@@ -95,25 +123,14 @@ class CosyVoice2Pipeline(Pipeline):
         self._prompt_models: tuple[Any, Any] | None = None
         self._prompt_lock = threading.Lock()
 
-    # -- family hooks (CosyVoice3 overrides them; device/cosyvoice3/pipeline.py) ---------------
-    def _text_frontend(self, tokenizer_json: Path) -> TextFrontend:
-        return TextFrontend(tokenizer_json)
-
-    def _decode_config(self, cfg: dict[str, Any]) -> DecodeConfig:
-        return DecodeConfig.from_config(cfg)
-
-    def _make_vocoder(self, source: Any, decoder: Any, cfg: dict[str, Any]) -> Any:
-        return Vocoder(source, decoder, int(cfg["hift_upsample"]))
-
-    def _read_stream_config(self, cfg: dict[str, Any]) -> Any:
-        return StreamConfig.from_config(cfg)
-
     def _lm_input(self, segment: Segment, inputs: ModeInputs) -> np.ndarray:
+        self._frontend.check_prompt(inputs.prompt_text, segment.ids)
         return self._lm.lm_input(segment.ids, inputs.prompt_text, inputs.prompt_speech)
 
     def _flow_tokens(self, tokens: list[int]) -> list[int]:
-        """The LLM's tokens -> the tokens the flow voices (all of them in CosyVoice2)."""
-        return tokens
+        """The LLM's tokens of one utterance -> the tokens the flow voices (the family's token filter)."""
+        keep = self._parts.token_filter().keep
+        return [int(t) for t in tokens if keep(t)]
 
     # -- Pipeline contract ------------------------------------------------------------------
     def voices(self) -> list[str]:
@@ -121,6 +138,9 @@ class CosyVoice2Pipeline(Pipeline):
 
     def presets(self) -> list[str]:
         return list(self._presets)
+
+    def languages(self) -> list[str]:
+        return list(self._parts.languages)
 
     def _preset(self, request: SynthesisOptions) -> Preset:
         """The request's flow preset (Engine.options checked the name), else the bundle default."""
@@ -160,19 +180,26 @@ class CosyVoice2Pipeline(Pipeline):
         so they share a prefill and decode steps; then the segments of all jobs run through the flow in padded
         batches of similar lengths (each row with its own voice prompt), and through HiFT one by one (its non-causal
         convolutions would see another row's padding). A job's result is what it gives alone."""
+        return self._render(jobs, batch_max)[0]
+
+    def _render(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]], batch_max: int
+                ) -> tuple[list[list[np.ndarray]], list[list[list[int]]]]:
+        """`synthesize_many`'s waveforms, and the LLM's speech tokens of every segment (before the token filter)."""
         pending = []
         for segments, request in jobs:
             inputs = self._mode_inputs(request)
             rng = np.random.default_rng(request.seed)
             lm_inputs = [self._lm_input(segment, inputs) for segment in segments]
             group = self._decoder.group(lm_inputs, [len(segment.ids) for segment in segments],
-                                        request.sampling == "greedy", rng, request.pin_tokens,
+                                        request.sampling == "greedy", rng, pinned_tokens(request),
                                         batch_max) if segments else None
             pending.append((inputs, rng, group))
         self._decoder.enqueue([group for _, _, group in pending if group is not None])  # one prefill if they fit
         spoken = []  # (job, segment, prompt, tokens) of every segment that has speech tokens
+        decoded: list[list[list[int]]] = []
         for job, (inputs, _, group) in enumerate(pending):
-            for segment, tokens in enumerate(group.results() if group is not None else []):
+            decoded.append([list(tokens) for tokens in (group.results() if group is not None else [])])
+            for segment, tokens in enumerate(decoded[-1]):
                 tokens = self._flow_tokens(tokens)
                 if tokens:
                     spoken.append((job, segment, inputs.flow, np.asarray(tokens, np.int64)))
@@ -192,9 +219,77 @@ class CosyVoice2Pipeline(Pipeline):
                     continue
                 if request.speed != 1.0:
                     mel = stretch_mel(mel, request.speed)
-                waves[segment] = self._vocoder(mel, None if request.deterministic else rng)
+                waves[segment] = self._vocoder.render(mel, None if request.deterministic else rng)
             out.append(waves)
+        return out, decoded
+
+    # -- word times (alignment.py, attention.py) ----------------------------------------------
+    @property
+    def times_words(self) -> bool:
+        return self._aligner is not None
+
+    def word_segments(self, text: str) -> list[Segment]:
+        """`segments`, each with its words as ranges of its BPE ids (`TextFrontend.words`: the normalised text's
+        words, as the model reads them); a bundle without the word-timing pass gets none."""
+        segments = self.segments(text)
+        if self._aligner is None:
+            return segments
+        return [Segment(s.text, s.ids, self._frontend.words(s.text)) for s in segments]
+
+    def synthesize_words(self, segments: Sequence[Segment], options: SynthesisOptions, batch_max: int,
+                         ) -> list[tuple[np.ndarray, tuple[Word, ...]]]:
+        """`synthesize_many`'s waveforms (one render of the request), each segment's words from one pass over its
+        prompt, text and speech tokens; the audio's length spread over the tokens the flow voiced."""
+        if self._aligner is None:
+            return super().synthesize_words(segments, options, batch_max)
+        (waves,), (decoded,) = self._render([(segments, options)], batch_max)
+        inputs = self._mode_inputs(options)
+        out = []
+        for segment, wave, tokens in zip(segments, waves, decoded):
+            seconds = wave.size / self.sample_rate
+            kept = self._kept(tokens)
+            attention = self._segment_pass(segment, inputs, tokens).attention
+            edges = token_edges(kept, seconds / max(sum(kept), 1))
+            out.append((wave, segment_words(attention, segment.words, edges, seconds)))
         return out
+
+    def stream_words(self, segment: Segment, request: SynthesisOptions, stop: threading.Event | None,
+                     batch_max: int) -> Iterator[tuple[np.ndarray, tuple[Word, ...]]]:
+        """`stream_request`'s chunks, each with the words whose audio ends in the audio sent so far: after every
+        chunk the pass takes the tokens decoded since the last one (one call on its cache), the path is re-solved
+        from the last word handed out (`alignment.StreamWords`), and the last chunk takes the rest."""
+        if self._aligner is None or not segment.words:
+            yield from super().stream_words(segment, request, stop, batch_max)
+            return
+        if request.speed != 1.0:  # rendered whole (stream_request): its words with it
+            yield from self.synthesize_words([segment], request, batch_max)
+            return
+        inputs = self._mode_inputs(request)
+        heard: list[int] = []
+        ended = threading.Event()
+        state = self._segment_pass(segment, inputs, ())
+        words = StreamWords(segment.words, settle=self._schedule.lookahead)
+        per_token = self._vocoder.samples_per_frame * self._flow.config.token_mel_ratio / self.sample_rate
+        emitted = 0
+        for chunk in self._stream(segment, inputs, request, stop, batch_max, _tapped(heard, ended)):
+            emitted += chunk.size
+            state.extend(heard)
+            edges = token_edges(self._kept(heard), per_token)
+            if ended.is_set():  # the LLM has stopped: this is the segment's last chunk
+                yield chunk, words.finish(state.attention, edges, emitted / self.sample_rate)
+            else:
+                yield chunk, words.update(state.attention, edges, emitted / self.sample_rate)
+
+    def _segment_pass(self, segment: Segment, inputs: ModeInputs, tokens: Sequence[int]) -> SegmentPass:
+        """A word-timing pass over `segment` as the LLM read it (prompt, text), after `tokens`."""
+        state = self._aligner.begin(self._lm_input(segment, inputs),
+                                    1 + len(inputs.prompt_text) + np.arange(len(segment.ids)))
+        state.extend(tokens)
+        return state
+
+    def _kept(self, tokens: Sequence[int]) -> list[bool]:
+        keep = self._parts.token_filter().keep
+        return [keep(int(t)) for t in tokens]
 
     @staticmethod
     def _flow_batches(rows: list[tuple[int, int, FlowPrompt, np.ndarray]], limit: int) -> list[list]:
@@ -220,28 +315,38 @@ class CosyVoice2Pipeline(Pipeline):
         if request.speed != 1.0:  # the official streaming path has no speed change: render the segment whole
             yield from self.synthesize_many([([segment], request)], batch_max)[0]
             return
-        inputs = self._mode_inputs(request)
+        yield from self._stream(segment, self._mode_inputs(request), request, stop, batch_max)
+
+    def _stream(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, stop: threading.Event | None,
+                batch_max: int, tap: Callable[[Iterable[int]], Iterator[int]] | None = None) -> Iterator[np.ndarray]:
+        """The chunks of one segment at speed 1; `tap` sees every token on its way to the stream loop."""
         seeds = np.random.SeedSequence(request.seed)
         noise = None if request.deterministic else np.random.default_rng(seeds.spawn(1)[0])
-        tokens = self._tokens(segment, inputs, request, np.random.default_rng(seeds), batch_max, stop)
-        yield from self.stream_tokens(tokens if stop is None else _until(tokens, stop), request, noise)
+        tokens: Iterable[int] = self._tokens(segment, inputs, request, np.random.default_rng(seeds), batch_max, stop)
+        if stop is not None:
+            tokens = _until(tokens, stop)
+        yield from self.stream_tokens(tap(tokens) if tap else tokens, request, noise)
 
     def decode_occupancy(self) -> dict[int, int]:
         return dict(self._decoder.stats()["rows_per_step"])  # type: ignore[arg-type]
 
-    def stats(self) -> dict[str, float]:
-        """The decode scheduler's gauges for /metrics: steps so far, mean rows per step, rows decoding now, rows
-        withdrawn (cross-request LLM batching at work). `describe()["decode"]` has the full counters."""
+    def stats(self) -> dict[str, Stat]:
+        """The decode scheduler's gauges for /metrics (cross-request LLM batching at work). `describe()["decode"]`
+        has the full counters."""
         stats = self._decoder.stats()
-        return {"decode_steps": float(stats["decode_steps"]), "decode_rows_mean": float(stats["mean_rows"]),
-                "decode_active_rows": float(stats["active_rows"]),
-                "decode_rows_cancelled": float(stats["cancelled_rows"])}
+        return {"decode_steps": Stat(float(stats["decode_steps"]), "LLM decode steps run so far (batched)"),
+                "decode_rows_mean": Stat(float(stats["mean_rows"]), "mean requests' rows per LLM decode step"),
+                "decode_active_rows": Stat(float(stats["active_rows"]), "rows decoding right now"),
+                "decode_rows_joined": Stat(float(stats["joined_running"]),
+                                           "rows that joined a decode batch already running"),
+                "decode_rows_cancelled": Stat(float(stats["cancelled_rows"]),
+                                              "decode rows withdrawn before their end (clients that left)")}
 
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "precision": dict(self._precision),
                 "providers": {name: s.get_providers()[0] for name, s in self._sessions.items()},
-                "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(MODES),
-                "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._stream_config),
+                "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(self._parts.modes),
+                "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._schedule),
                 "presets": {name: p.to_config() for name, p in self._presets.items()},
                 "default_preset": self._default_preset, "presets_measured": self._presets_measured,
                 "decode": self._decoder.stats()}
@@ -249,9 +354,14 @@ class CosyVoice2Pipeline(Pipeline):
     # -- voices -----------------------------------------------------------------------------
     def make_voice(self, name: str, wav: np.ndarray, sample_rate: int, prompt_text: str) -> Voice:
         """A zero-shot voice from a prompt recording and its transcript, as the official zero-shot frontend
-        prepares them (speech tokens, flow mel and CAM++ embedding; the transcript normalised, not split)."""
+        prepares them (speech tokens, flow mel and CAM++ embedding; the transcript normalised, not split, after
+        the family's frontend framed it)."""
         check_voice_name(name)
-        text = self.validate_text(prompt_text, MAX_PROMPT_TEXT)
+        shortest = self._parts.min_prompt_seconds
+        if wav.size < shortest * sample_rate:
+            raise InvalidVoiceError(f"prompt audio is {wav.size / sample_rate:.2f} s long; {self.family} voices "
+                                    f"need {shortest:.0f}-30 s of speech")
+        text = self._frontend.voice_transcript(self.validate_text(prompt_text, MAX_PROMPT_TEXT))
         with self._frontend_lock:
             normalised = self._frontend.normalize(text, split=False)[0]
         features = extract_prompt(wav, sample_rate, *self._prompt_sessions(), self._mel_config)
@@ -301,13 +411,14 @@ class CosyVoice2Pipeline(Pipeline):
         inputs = self._mode_inputs(request)
         if not request.deterministic and rng is None:
             rng = np.random.default_rng(request.seed)
-        yield from stream_tokens(tokens, inputs.flow, self._flow, self._vocoder, self._stream_config,
-                                 None if request.deterministic else rng, self._chunk_gate, self._preset(request))
+        yield from stream_tokens(tokens, inputs.flow, self._flow,
+                                 self._vocoder.stream(None if request.deterministic else rng), self._schedule,
+                                 self._parts.token_filter(), self._chunk_gate, self._preset(request))
 
     def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator,
                 batch_max: int = DECODE_ROWS, stop: threading.Event | None = None) -> Iterator[int]:
         lm_input = self._lm_input(segment, inputs)
-        return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, request.pin_tokens,
+        return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, pinned_tokens(request),
                                     batch_max, stop)
 
     def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:
@@ -318,10 +429,25 @@ class CosyVoice2Pipeline(Pipeline):
         mode = request.mode or ("instruct2" if instruct else None)
         if instruct and mode != "instruct2":
             raise InputError(f"an instruct text is only used by mode 'instruct2', not {mode!r}")
-        if instruct and not instruct.endswith(END_OF_PROMPT):
-            instruct += END_OF_PROMPT  # the LLM was trained with the marker; the official caller must add it
-        instruct_ids = tuple(self._frontend.encode(instruct)) if instruct else ()
-        return voice.inputs(mode, instruct_ids, self._mel_bins)
+        if mode is not None and mode not in self._parts.modes:
+            raise InputError(f"unknown mode {mode!r} for {self.family}; choose from {', '.join(self._parts.modes)}")
+        instruct_ids = tuple(self._frontend.encode(self._frontend.instruction(instruct))) if instruct else ()
+        inputs = voice.inputs(mode, instruct_ids, self._mel_bins)
+        if (mode == "instruct2" and self._parts.saved_speaker_quirk and not self.instruct2_uses_instruction
+                and request.voice in self._bundle_voices):
+            return ModeInputs(voice.prompt_text_ids, (), inputs.flow)  # official: spk2info's prompt_text wins
+        return inputs
+
+
+def _tapped(heard: list[int], ended: threading.Event) -> Callable[[Iterable[int]], Iterator[int]]:
+    """A tap that records every token into `heard` and sets `ended` once the source is exhausted (the stream loop
+    then makes only its final chunk)."""
+    def tap(tokens: Iterable[int]) -> Iterator[int]:
+        for token in tokens:
+            heard.append(int(token))
+            yield token
+        ended.set()
+    return tap
 
 
 def _until(tokens: Iterable[int], stop: threading.Event) -> Iterator[int]:

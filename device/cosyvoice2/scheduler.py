@@ -11,7 +11,7 @@ queue as they are chosen. The worker loop:
      bound - the engine's `batch_max`; a larger group is taken alone) and drop rows whose consumer went away or
      whose `stop` event is set (a client that disconnected: its row leaves before the next step);
   2. prefill the new groups in one left-padded call and choose their first tokens;
-  3. when rows joined or left, rebuild the batch cache once (`SpeechLM.merge_caches`, right-aligned rows);
+  3. when rows joined or left, rebuild the batch cache once (`SpeechLM.merge_caches`);
   4. one decode step for all rows, then each row chooses its next token with its own sampler state.
 Before a step the loop waits while any stream's first chunk is in the flow or HiFT (`before_step`, the pipeline's
 `ChunkGate.wait_first_chunks`): on a CPU the first chunk then has the cores to itself.
@@ -225,7 +225,7 @@ class DecodeScheduler:
             self._choose(new_rows, logits)
             with self._cond:
                 self._prefills += 1
-                self._joined_running += len(new_rows) if self._rows else 0
+                self._joined_running += len(new_rows) if any(not row.done for row in self._rows) else 0
                 self._seconds["prefill"] += time.perf_counter() - began
             keep = [i for i, row in enumerate(new_rows) if not row.done]
             if keep:

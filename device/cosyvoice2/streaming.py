@@ -1,11 +1,15 @@
-"""CosyVoice2 streaming: when a chunk of speech tokens is ready, and how it becomes audio.
+"""CosyVoice streaming (both families): when a chunk of speech tokens is ready, and how it becomes audio.
 
-Official v2 schedule, kept per request (the official model stores the hop on the shared instance and never
-resets it; here every request starts again at the first hop): the first hop is hops[0] + pad, where pad brings
-prompt + first hop to a hops[0] boundary; later hops follow `hops` (25, 50, 100, 100, ...). A chunk is made when
-the tokens not yet voiced reach hop + look-ahead; the flow then re-runs on tokens[:offset + hop + look-ahead]
-(streaming attention, finalize off: the look-ahead tokens are context only) and the new mel starts at
-ratio * offset. When the LLM stops, one final call voices every remaining token (finalize on, full attention).
+Official schedule, kept per request (the official model stores the hop on the shared instance and never resets
+it; here every request starts again at the first hop): the first hop is hops[0] + pad, where pad brings prompt +
+first hop to a hops[0] boundary; later hops follow `hops` (25, 50, 100, 100, ...), counted over the tokens the
+family's token filter keeps (Fun-CosyVoice3 drops long silent runs). A chunk is made when the tokens not yet voiced
+reach hop + look-ahead; the flow then re-runs on tokens[:offset + hop + look-ahead] (streaming attention, finalize
+off: the look-ahead tokens are context only) and the new mel starts at ratio * offset. When the LLM stops, one final
+call voices every remaining token (finalize on, full attention). A preset with a `stream_window` re-solves only the
+prompt and a bounded window of recent tokens (presets.py). The family's `ChunkVocoder` turns each chunk's new mel
+into the samples to emit (CosyVoice2: HiFT caches and cross-fade; Fun-CosyVoice3: HiFT re-run on the accumulated
+mel).
 
 Fairness between concurrent streams (`ChunkGate`): the flow + HiFT work of one chunk waits for its turn, and the
 turn goes to the stream that has emitted the fewest chunks, then to the one that began first, so a new request's
@@ -13,6 +17,13 @@ first chunk never waits behind another request's later chunks. The priority live
 local of the stream), never on the shared gate. While a first chunk's work runs, the LLM decode loop waits before
 its next step (`wait_first_chunks`, called by the `DecodeScheduler`), so on a small CPU the cores go to the chunk
 that ends the listener's silence rather than to tokens that are not needed yet.
+
+First chunks together (`ChunkGate.first_mel`): the stream whose first chunk gets the turn solves, in one flow call,
+the first chunks of every stream waiting then with the same preset and the same lengths (at most `first_batch`);
+the others take their mel and only run their own HiFT chunk. Streams that arrive together (their rows decoded in
+the same batch) then wait for one flow call, not one each. Only rows of one length share a call: a right-padded row
+differs from its solo call by float rounding (1e-6 in the mel, amplified by HiFT), an unpadded one does not, so
+every stream's audio is exactly what it gets alone.
 """
 from __future__ import annotations
 
@@ -22,19 +33,51 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
 
 import numpy as np
 
 from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
 from cosyedge.device.cosyvoice2.presets import Preset
-from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder, VocoderStream
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The chunk schedule's constants (`manifest.config["stream"]`: `hops`, `lookahead`)."""
+    hops: tuple[int, ...]
+    lookahead: int
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "ScheduleConfig":
+        return cls(hops=tuple(int(h) for h in cfg["hops"]), lookahead=int(cfg["lookahead"]))
+
+
+@runtime_checkable
+class TokenFilter(Protocol):
+    """Fed every LLM token of one utterance in order; `keep` says whether the flow voices it."""
+
+    def keep(self, token: int) -> bool: ...
+
+
+class KeepAll:
+    """CosyVoice2: the flow voices every token the LLM gives."""
+
+    def keep(self, token: int) -> bool:
+        return True
+
+
+@runtime_checkable
+class ChunkVocoder(Protocol):
+    """The HiFT state of ONE streaming request (never shared): each chunk's new mel in, the samples to emit out."""
+
+    def chunk(self, mel: np.ndarray, final: bool) -> np.ndarray: ...
 
 
 class ChunkSchedule:
     """Token offsets of one streaming request."""
 
-    def __init__(self, prompt_tokens: int, config: StreamConfig) -> None:
+    def __init__(self, prompt_tokens: int, config: ScheduleConfig) -> None:
         first = config.hops[0]
         self._config = config
         self._pad = math.ceil(prompt_tokens / first) * first - prompt_tokens
@@ -58,16 +101,42 @@ class ChunkSchedule:
         self._index += 1
 
 
+@dataclass(eq=False)
+class FirstChunk:
+    """One stream's first-chunk flow call, waiting to be solved alone or with other streams' first chunks."""
+    prompt: FlowPrompt
+    tokens: np.ndarray
+    preset: Preset | None
+    mel: np.ndarray | None = None
+    error: BaseException | None = None
+    claimed: bool = False  # in the batch of the stream that solves it
+    done: bool = False
+
+    def fits(self, other: "FirstChunk") -> bool:
+        """Whether the two share a flow call exactly: same preset and token counts (no padded row)."""
+        return (self.preset == other.preset and self.prompt.tokens.size == other.prompt.tokens.size
+                and self.prompt.mel.shape == other.prompt.mel.shape and self.tokens.size == other.tokens.size)
+
+    def result(self) -> np.ndarray:
+        if self.error is not None:
+            raise self.error
+        assert self.mel is not None
+        return self.mel
+
+
 class ChunkGate:
     """Turns for chunk work (flow + HiFT) of concurrent streams: at most `slots` at once, the waiting ticket with
-    the lowest (chunks emitted, start time) first. One slot suits a CPU, where parallel calls only share cores."""
+    the lowest (chunks emitted, start time) first. One slot suits a CPU, where parallel calls only share cores.
+    First chunks of one length waiting at once share one flow call of at most `first_batch` rows (`first_mel`)."""
 
-    def __init__(self, slots: int = 1) -> None:
+    def __init__(self, slots: int = 1, first_batch: int = 4) -> None:
         self._cond = threading.Condition()
         self._free = slots
         self._waiting: list[tuple[int, float, int]] = []  # heap of tickets
         self._order = itertools.count()
         self._first_running = 0  # slots held by first chunks
+        self._first_batch = first_batch
+        self._firsts: list[FirstChunk] = []  # first chunks waiting for their flow call
 
     def waiting(self) -> int:
         """Tickets waiting for a turn (tests, metrics)."""
@@ -93,45 +162,89 @@ class ChunkGate:
                 self._first_running -= emitted == 0
                 self._cond.notify_all()
 
+    def first_mel(self, flow: Flow, job: FirstChunk, began: float) -> np.ndarray:
+        """The mel of a stream's first chunk (as `flow.mel(prompt, tokens, False, True, preset)`). When this stream's
+        ticket gets a slot it solves its own and the other waiting first chunks that fit it in one call; when another
+        stream solved it first, the result is taken without a turn."""
+        ticket = (0, began, next(self._order))
+        with self._cond:
+            heapq.heappush(self._waiting, ticket)
+            self._firsts.append(job)
+            self._cond.wait_for(lambda: job.done or (not job.claimed and self._free > 0
+                                                      and self._waiting[0] == ticket))
+            self._waiting.remove(ticket)
+            heapq.heapify(self._waiting)
+            if job.done:
+                self._cond.notify_all()  # the ticket left the head of the heap
+                return job.result()
+            batch = [job] + [j for j in self._firsts if j is not job and job.fits(j)][:self._first_batch - 1]
+            self._firsts = [j for j in self._firsts if j not in batch]
+            for member in batch:
+                member.claimed = True
+            self._free -= 1
+            self._first_running += 1
+            self._cond.notify_all()
+        mels: list[np.ndarray] = []
+        error: BaseException | None = None
+        try:
+            mels = flow.mels([j.prompt for j in batch], [j.tokens for j in batch], job.preset, True)
+        except BaseException as exc:  # noqa: BLE001 - every stream of the batch gets the error
+            error = exc
+        finally:
+            with self._cond:
+                for index, member in enumerate(batch):
+                    member.mel, member.error, member.done = (mels[index] if mels else None), error, True
+                self._free += 1
+                self._first_running -= 1
+                self._cond.notify_all()
+        return job.result()
+
     def wait_first_chunks(self) -> None:
         """Block while any stream's first chunk is in flow + HiFT (the decode loop calls this before each step)."""
         with self._cond:
             self._cond.wait_for(lambda: self._first_running == 0)
 
 
-def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder: Vocoder, config: StreamConfig,
-                  rng: np.random.Generator | None, gate: ChunkGate | None = None,
-                  preset: Preset | None = None) -> Iterator[np.ndarray]:
+def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder: ChunkVocoder,
+                  schedule_config: ScheduleConfig, token_filter: TokenFilter | None = None,
+                  gate: ChunkGate | None = None, preset: Preset | None = None) -> Iterator[np.ndarray]:
     """Waveform chunks for a token stream, each yielded as soon as its tokens have arrived.
 
     `tokens` is consumed lazily (the LLM decoder, or any token source), so decoding and chunk emission interleave
-    in the caller's thread; rng None switches the NSF noise off. With a `gate`, each chunk's flow + HiFT work
-    waits for its turn among the concurrent streams (fewest chunks emitted first). A preset with a
-    `stream_window` re-solves only the prompt and the tokens from `preset.window_start` on (bounded re-solve;
-    presets.py).
+    in the caller's thread. `vocoder` is the request's own streaming state; `token_filter` (default: keep all)
+    says which tokens the flow voices (dropped ones do not count for the schedule). With a `gate`, each chunk's
+    flow + HiFT work waits for its turn among the concurrent streams (fewest chunks emitted first). A preset with
+    a `stream_window` re-solves only the prompt and the tokens from `preset.window_start` on (bounded re-solve).
     """
     ratio = flow.config.token_mel_ratio
-    schedule = ChunkSchedule(len(prompt.tokens), config)
-    hift = VocoderStream(vocoder, config, rng)
+    schedule = ChunkSchedule(len(prompt.tokens), schedule_config)
+    keep = (token_filter or KeepAll()).keep
     gate = gate or ChunkGate()  # a private gate: never waits
     began, emitted = time.monotonic(), 0
     got: list[int] = []
     for token in tokens:
+        if not keep(int(token)):
+            continue
         got.append(int(token))
         size = schedule.ready(len(got))
         if size is None:
             continue
-        start = preset.window_start(schedule.offset, config.hops[0]) if preset else 0
-        with gate.turn(emitted, began):
-            mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start)
-            chunk = hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
+        if emitted == 0:  # whole history, nothing voiced yet: the flow call may be shared with other first chunks
+            mel = gate.first_mel(flow, FirstChunk(prompt, np.asarray(got[:size], np.int64), preset), began)
+            with gate.turn(emitted, began):
+                chunk = vocoder.chunk(mel, final=False)
+        else:
+            start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
+            with gate.turn(emitted, began):
+                mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start)
+                chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
         emitted += 1
         yield chunk
         schedule.advance()
     if not got:
         return
-    start = preset.window_start(schedule.offset, config.hops[0]) if preset else 0
+    start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
     with gate.turn(emitted, began):
         mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start)
-        chunk = hift.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
+        chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
     yield chunk

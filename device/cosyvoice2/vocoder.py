@@ -1,4 +1,4 @@
-"""CosyVoice2 HiFT vocoder on ONNX Runtime, and its per-request streaming cache.
+"""CosyVoice2 HiFT vocoder on ONNX Runtime, and its per-request streaming cache (the family's `Vocoder` part).
 
 Graph signatures: quantize/cosyvoice2/hift_export.py. The NSF source noise is an input: zeros for deterministic
 requests, else a standard normal draw from the request's own generator.
@@ -12,35 +12,42 @@ non-final chunk keeps its last `crossfade_samples` samples back for the next cro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
 
 @dataclass(frozen=True)
-class StreamConfig:
-    """Streaming constants (`manifest.config["stream"]`)."""
-    hops: tuple[int, ...]
-    lookahead: int
+class HiftCache:
+    """The streaming cache sizes (`manifest.config["stream"]`, beside the schedule's hops and look-ahead)."""
     mel_cache_frames: int
     source_cache_samples: int
     crossfade_samples: int
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> "StreamConfig":
-        return cls(hops=tuple(int(h) for h in cfg["hops"]), lookahead=int(cfg["lookahead"]),
-                   mel_cache_frames=int(cfg["mel_cache_frames"]), source_cache_samples=int(cfg["source_cache_samples"]),
+    def from_config(cls, cfg: dict[str, Any]) -> "HiftCache":
+        return cls(mel_cache_frames=int(cfg["mel_cache_frames"]), source_cache_samples=int(cfg["source_cache_samples"]),
                    crossfade_samples=int(cfg["crossfade_samples"]))
+
+
+class HiftStages(Protocol):
+    """The two HiFT calls a stream needs (the runtime's `Vocoder`, or the bench's torch reference)."""
+
+    def source(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray: ...
+
+    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray: ...
 
 
 class Vocoder:
     """`hift_source` then `hift_decoder`."""
 
-    def __init__(self, source: ort.InferenceSession, decoder: ort.InferenceSession, samples_per_frame: int) -> None:
+    def __init__(self, source: ort.InferenceSession, decoder: ort.InferenceSession, samples_per_frame: int,
+                 cache: HiftCache) -> None:
         self._source = source
         self._decoder = decoder
         self.samples_per_frame = samples_per_frame
+        self.cache = cache
         self._harmonics = int({i.name: i for i in source.get_inputs()}["noise"].shape[2])
 
     def source(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
@@ -54,16 +61,19 @@ class Vocoder:
         (speech,) = self._decoder.run(None, {"mel": mel, "source": source})
         return speech
 
-    def __call__(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
-        """[1, M, T] mel -> [T * U] float32 waveform (non-streaming)."""
+    def render(self, mel: np.ndarray, noise: np.random.Generator | None) -> np.ndarray:
+        """[1, M, T] mel -> [T * U] float32 waveform (non-streaming); noise None: the NSF noise switched off."""
         mel = np.ascontiguousarray(mel, np.float32)
-        return self.decode(mel, self.source(mel, rng))[0]
+        return self.decode(mel, self.source(mel, noise))[0]
+
+    def stream(self, noise: np.random.Generator | None) -> "VocoderStream":
+        return VocoderStream(self, self.cache, noise)
 
 
 class VocoderStream:
     """The HiFT caches of ONE streaming request (never shared between requests)."""
 
-    def __init__(self, vocoder: Vocoder, config: StreamConfig, rng: np.random.Generator | None) -> None:
+    def __init__(self, vocoder: HiftStages, config: HiftCache, rng: np.random.Generator | None) -> None:
         self._vocoder = vocoder
         self._config = config
         self._rng = rng

@@ -11,7 +11,7 @@ A voice file (voices/<name>.npz, docs/bundle_cosyvoice2.md) is either `sft` (a s
 | instruct2     | the instruct text (raw)  | -                 | prompt tokens + mel      | flow_embedding |
 
 The LLM does not use a speaker embedding in v2. Voices made at run time from a prompt recording
-(`CosyVoice2Pipeline.make_voice`) are zero-shot voices with the same file format (`Voice.save`).
+(`CosyVoicePipeline.make_voice`) are zero-shot voices with the same file format (`Voice.save`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from cosyedge.device.cosyvoice2.flow import FlowPrompt
 from cosyedge.device.errors import BundleError, InputError
 
 MODES = ("zero_shot", "sft", "cross_lingual", "instruct2")
-END_OF_PROMPT = "<|endofprompt|>"
 
 
 @dataclass(frozen=True, eq=False)

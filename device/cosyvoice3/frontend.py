@@ -29,10 +29,10 @@ import numpy as np
 import onnxruntime as ort
 
 from cosyedge.device.cosyvoice2.features import FlowMelConfig, PromptFeatures, extract_prompt
-from cosyedge.device.cosyvoice2.frontend import TextFrontend
+from cosyedge.device.cosyvoice2.frontend import END_OF_PROMPT, TextFrontend
 from cosyedge.device.errors import BundleError, InputError
 
-ENDOFPROMPT = "<|endofprompt|>"
+ENDOFPROMPT = END_OF_PROMPT
 SYSTEM_PROMPT = "You are a helpful assistant."   # the system part of every official v3 example prompt
 MODES = ("zero_shot", "cross_lingual", "instruct2")
 
@@ -47,7 +47,8 @@ FLOW_MEL = FlowMelConfig(n_fft=1920, hop=480, win=1920, n_mels=80, fmin=0.0, fma
 
 
 class TextFrontend3(TextFrontend):
-    """CosyVoice2's normalise/split/encode over the v3 tokenizer, plus the `<|endofprompt|>` rule."""
+    """CosyVoice2's normalise/split/encode over the v3 tokenizer, with the v3 prompt rules: the LLM's prompt must
+    hold `<|endofprompt|>`, and an instruction or transcript without it gets the official system-prompt frame."""
 
     def __init__(self, tokenizer_json: str | Path) -> None:
         super().__init__(tokenizer_json)
@@ -61,6 +62,20 @@ class TextFrontend3(TextFrontend):
         if self.endofprompt_id not in list(prompt_text_ids) and self.endofprompt_id not in list(text_ids):
             raise InputError(f"CosyVoice3 needs {ENDOFPROMPT} in the prompt text, the instruction or (cross-lingual) "
                              f"the text, e.g. '{SYSTEM_PROMPT}{ENDOFPROMPT}' before the transcript")
+
+    def check_prompt(self, prompt_text_ids: tuple[int, ...], text_ids: tuple[int, ...]) -> None:
+        self.check_endofprompt(prompt_text_ids, text_ids)
+
+    def instruction(self, text: str) -> str:
+        """An instruction without the marker (the API's `instructions`, "speak cheerfully") gets the frame of every
+        official instruct2 example: "You are a helpful assistant. <instruction><|endofprompt|>"; one with it is
+        taken as given."""
+        return text if ENDOFPROMPT in text else f"{SYSTEM_PROMPT} {text}{ENDOFPROMPT}"
+
+    def voice_transcript(self, text: str) -> str:
+        """A transcript without `<|endofprompt|>` gets the official system prompt before it (the v3 LLM needs the
+        marker in the prompt text)."""
+        return text if ENDOFPROMPT in text else f"{SYSTEM_PROMPT}{ENDOFPROMPT}{text}"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Fun-CosyVoice3 causal HiFT on ONNX Runtime, its fixed sine noise, and per-request streaming.
+"""Fun-CosyVoice3 causal HiFT on ONNX Runtime, its fixed sine noise, and per-request streaming (the family's
+`Vocoder` part).
 
 Graph signatures and the finalize=False trimming rule: quantize/cosyvoice3/hift_export.py. The NSF noise is the
 release's FIXED uniform tensor (official `SineGen2.sine_waves`), not shipped in the bundle: it is regenerated
@@ -6,38 +7,24 @@ here from the manifest's recipe (`hift_noise`: MT19937 seeded 0 as numpy's legac
 discarded, `harmonics` draws of rand_ini, then the rows; value = (u32 & 0xFFFFFF) * 2^-24) and checked against the
 first row the build host stored. rand_ini is a constant inside `hift_source`.
 
-Streaming (official CosyVoice3Model.tts, rules in the golden vectors' README): the chunk schedule is CosyVoice2's
-(`cosyvoice2.streaming.ChunkSchedule`: hop 25 + prompt pad, then 50, 100, ...; 3 look-ahead tokens) counted over
-the tokens that pass the silent filter; each chunk's new mel is appended to the request's accumulated mel, HiFT
-re-runs on ALL of it (finalize=False except for the last chunk) and only the samples after those already emitted
-are yielded. No cross-fade, no source cache: causality and the fixed noise make every re-run reproduce the prefix.
+Streaming (official CosyVoice3Model.tts, rules in the golden vectors' README): the chunk schedule and the stream loop
+are the shared ones (`cosyvoice2.streaming.stream_tokens`: hop 25 + prompt pad, then 50, 100, ...; 3 look-ahead
+tokens, counted over the tokens that pass the silent filter); `RerunStream` appends each chunk's new mel to the
+request's accumulated mel, re-runs HiFT on ALL of it (finalize=False except for the last chunk) and yields only the
+samples after those already emitted. No cross-fade, no source cache: causality and the fixed noise make every
+re-run reproduce the prefix.
 """
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import onnxruntime as ort
 
-from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
-from cosyedge.device.cosyvoice2.streaming import ChunkGate, ChunkSchedule
 from cosyedge.device.errors import BundleError, InputError
 
 GROW_SECONDS = 60  # the noise grows a minute at a time
-
-
-@dataclass(frozen=True)
-class Stream3Config:
-    """`manifest.config["stream"]`: the hop sequence and the look-ahead tokens (what ChunkSchedule reads)."""
-    hops: tuple[int, ...]
-    lookahead: int
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> "Stream3Config":
-        return cls(hops=tuple(int(h) for h in cfg["hops"]), lookahead=int(cfg["lookahead"]))
 
 
 class SineNoise:
@@ -108,47 +95,32 @@ class Vocoder3:
             return speech[0, :max(frames - self._conv_pre_lookahead - 1, 0) * u]
         return speech[0]
 
-    def __call__(self, mel: np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
-        """Non-streaming (CosyVoice2's call signature; the v3 noise is fixed, so `rng` is unused)."""
+    def render(self, mel: np.ndarray, noise: np.random.Generator | None) -> np.ndarray:
+        """Non-streaming. `noise` is not drawn from: the v3 NSF noise is the release's fixed tensor, so the
+        output is the same whatever the request's seed or `deterministic`."""
         return self.run(mel, finalize=True)
 
+    def stream(self, noise: np.random.Generator | None) -> "RerunStream":
+        return RerunStream(self)
 
-def stream_tokens(tokens: Iterable[int], keep: Callable[[int], bool], prompt: FlowPrompt, flow: Flow,
-                  vocoder: Vocoder3, config: Stream3Config, gate: ChunkGate | None = None) -> Iterator[np.ndarray]:
-    """Waveform chunks for an LLM token stream; `keep` is the request's silent filter (tokens it drops are not
-    voiced and do not count for the schedule). With a `gate`, each chunk's flow + HiFT work waits for its turn
-    among the concurrent streams (fewest chunks emitted first), as CosyVoice2's streams do."""
-    ratio = flow.config.token_mel_ratio
-    schedule = ChunkSchedule(len(prompt.tokens), config)  # type: ignore[arg-type]  # reads hops / lookahead only
-    got: list[int] = []
-    mel: np.ndarray | None = None
-    emitted = 0
-    gate = gate or ChunkGate()  # a private gate: never waits
-    began, chunks = time.monotonic(), 0
 
-    def voice(new: np.ndarray, finalize: bool) -> np.ndarray:
-        nonlocal mel, emitted
-        mel = new if mel is None else np.concatenate([mel, new], axis=2)
-        speech = vocoder.run(mel, finalize)
-        out, emitted = speech[emitted:], max(emitted, speech.shape[0])
+class CausalHift(Protocol):
+    """What a v3 stream calls (the runtime's `Vocoder3`, or the bench's torch reference)."""
+
+    def run(self, mel: np.ndarray, finalize: bool) -> np.ndarray: ...
+
+
+class RerunStream:
+    """The accumulated mel and emitted sample count of ONE streaming request (never shared)."""
+
+    def __init__(self, vocoder: CausalHift) -> None:
+        self._vocoder = vocoder
+        self._mel: np.ndarray | None = None
+        self._emitted = 0
+
+    def chunk(self, mel: np.ndarray, final: bool) -> np.ndarray:
+        """HiFT re-run on all the mel so far (finalize on the last chunk); the samples not yet emitted."""
+        self._mel = mel if self._mel is None else np.concatenate([self._mel, mel], axis=2)
+        speech = self._vocoder.run(self._mel, finalize=final)
+        out, self._emitted = speech[self._emitted:], max(self._emitted, speech.shape[0])
         return out
-
-    for token in tokens:
-        if not keep(int(token)):
-            continue
-        got.append(int(token))
-        size = schedule.ready(len(got))
-        if size is None:
-            continue
-        with gate.turn(chunks, began):
-            chunk = flow.mel(prompt, np.asarray(got[:size], np.int64), finalize=False, streaming=True)
-            speech = voice(chunk[:, :, ratio * schedule.offset:], finalize=False)
-        chunks += 1
-        yield speech
-        schedule.advance()
-    if not got:
-        return
-    with gate.turn(chunks, began):
-        chunk = flow.mel(prompt, np.asarray(got, np.int64), finalize=True, streaming=False)
-        speech = voice(chunk[:, :, ratio * schedule.offset:], finalize=True)
-    yield speech

@@ -27,7 +27,8 @@ HIFT_CHANNELS_X_UPSAMPLE = 64 * 120  # widest HiFT activation: 64 channels at 12
 
 @dataclass(frozen=True)
 class ModelSizes:
-    """What the plan needs from a CosyVoice2 model: weight bytes per stage and the LLM's shape."""
+    """What the plan needs from a CosyVoice model (either family): weight bytes per stage, the LLM's shape and the
+    flow's widths (estimator attention heads and width, encoder width)."""
     label: str
     weights: dict[str, int]  # llm / flow / hift -> bytes on the GPU
     layers: int
@@ -35,12 +36,17 @@ class ModelSizes:
     kv_heads: int
     head_dim: int
     config: dict  # manifest.config (the bounds' inputs)
+    flow_heads: int = FLOW_HEADS
+    flow_channels: int = FLOW_CHANNELS
+    encoder_heads: int = FLOW_HEADS  # 0: no attention in the flow encoder (Fun-CosyVoice3)
+    encoder_channels: int = ENCODER_CHANNELS
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, selection: str) -> "ModelSizes":
-        """Sizes of the graphs `selection` loads (file bytes) and the LLM shape from the manifest's signatures."""
-        if bundle.manifest.family != "cosyvoice2":
-            raise BundleError("the memory plan covers cosyvoice2 bundles")
+        """Sizes of the graphs `selection` loads (file bytes), the LLM shape from the manifest's signatures and the
+        flow widths from `manifest.config["flow_sizes"]` (CosyVoice2-0.5B's when a bundle predates the key)."""
+        if bundle.manifest.family not in ("cosyvoice2", "cosyvoice3"):
+            raise BundleError("the memory plan covers cosyvoice2 and cosyvoice3 bundles")
         graphs = bundle.selected(selection)
         weights = {"llm": 0, "flow": 0, "hift": 0}
         for name, component in graphs.items():
@@ -48,9 +54,17 @@ class ModelSizes:
             if stage in weights:
                 weights[stage] += bundle.path(component.file).stat().st_size
         inputs = {s.name: s.shape for s in graphs["llm"].inputs}
-        past, hidden = inputs["past_key"], inputs["inputs_embeds"][2]
-        return cls(f"{bundle.root.name} ({selection})", weights, int(past[0]), int(hidden), int(past[2]),
-                   int(past[4]), dict(bundle.manifest.config))
+        hidden = inputs["inputs_embeds"][2]
+        if "past_key" in inputs:                    # stacked caches [NL, B, KV, P, D]
+            layers, kv, dim = (inputs["past_key"][i] for i in (0, 2, 4))
+        else:                                       # the cpu targets' shared caches, one [B, KV, C, D] per layer
+            layers = sum(name.startswith("past_key_") for name in inputs)
+            kv, dim = inputs["past_key_0"][1], inputs["past_key_0"][3]
+        flow = bundle.manifest.config.get("flow_sizes", {})
+        return cls(f"{bundle.root.name} ({selection})", weights, int(layers), int(hidden), int(kv),
+                   int(dim), dict(bundle.manifest.config), int(flow.get("estimator_heads", FLOW_HEADS)),
+                   int(flow.get("estimator_width", FLOW_CHANNELS)), int(flow.get("encoder_heads", FLOW_HEADS)),
+                   int(flow.get("encoder_width", ENCODER_CHANNELS)))
 
 
 # CosyVoice2-0.5B, target trt-int8 (docs/bundle_cosyvoice2.md): LLM 494.0 M body in int8 + fp32 speech head
@@ -75,8 +89,8 @@ def memory_plan(sizes: ModelSizes, device: DeviceProfile) -> list[dict[str, obje
                   rows * heads * (length + budget_tokens) * sizes.head_dim * 2 * FP16)  # prefill vs decode (GQA)
     kv = 2 * 2 * sizes.layers * rows * sizes.kv_heads * (length + budget_tokens) * sizes.head_dim * FP32
     cfg_rows = 2 * flow_rows
-    flow_act = (cfg_rows * FLOW_HEADS * frames * frames * FP16 + 8 * cfg_rows * FLOW_CHANNELS * frames * FP16
-                + FLOW_HEADS * frames * frames * FP16 + 8 * ENCODER_CHANNELS * frames * FP16)  # estimator + encoder
+    flow_act = (cfg_rows * sizes.flow_heads * frames * frames * FP16 + 8 * cfg_rows * sizes.flow_channels * frames * FP16
+                + sizes.encoder_heads * frames * frames * FP16 + 8 * sizes.encoder_channels * frames * FP16)  # + encoder
     hift_act = 3 * bounds.hift_frames * HIFT_CHANNELS_X_UPSAMPLE * FP16
     stages = [("llm", llm_act, kv), ("flow", flow_act, 0), ("hift", hift_act, 0)]
     table = [{"stage": stage, "weights_mb": round(sizes.weights[stage] / MB, 1), "activations_mb": round(act / MB, 1),

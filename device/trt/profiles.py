@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from cosyedge.device.bundle import Bundle, Component
 from cosyedge.device.errors import BundleError
+from cosyedge.device.text import COSYVOICE_MAX_TOKENS, VITS_MAX_IDS
 from cosyedge.device.trt.device_profiles import DeviceProfile
 
 SPEED_MIN = 0.25  # SynthesisOptions speed floor: a stretched mel has up to 1/SPEED_MIN times the frames
@@ -57,12 +58,15 @@ def _clamp(opt: int, low: int, high: int) -> Range:
 
 @dataclass(frozen=True)
 class CosyVoice2Bounds:
-    """The longest inputs one CosyVoice2 request can give each graph on a device (shared with the memory plan).
+    """The longest inputs one CosyVoice request (either family) can give each graph on a device (shared with the
+    memory plan).
 
     The flow voices at most `budget` = max_frames // token_mel_ratio speech tokens (prompt + generated). A target
     text yields at least min_token_text_ratio speech tokens per text token, so longer texts are refused by the
     flow anyway; a prompt transcript has fewer tokens than its speech (25 per second). The decode cache may grow
-    by max_token_text_ratio tokens per text token (the official stopping rule) before the flow refuses.
+    by max_token_text_ratio tokens per text token (the official stopping rule) before the flow refuses. HiFT gets
+    at most the whole utterance's mel (stretched by a speed below 1) plus a streaming mel cache (CosyVoice2: the
+    last `mel_cache_frames` of the previous chunk; Fun-CosyVoice3 has none: it re-runs on the accumulated mel).
     """
     budget: int
     prompt_speech: int
@@ -79,13 +83,13 @@ class CosyVoice2Bounds:
             token_rate = c["mel"]["sample_rate"] / c["mel"]["hop"] / ratio
             prompt_seconds = float(c["max_prompt_seconds"])
             min_ratio, max_ratio = float(c["min_token_text_ratio"]), float(c["max_token_text_ratio"])
-            mel_cache = int(c["stream"]["mel_cache_frames"])
+            mel_cache = int(c["stream"].get("mel_cache_frames", 0))
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
             raise BundleError(f"manifest config lacks what the TensorRT profiles need ({type(exc).__name__}: "
                               f"{exc})") from None
         budget = d.max_frames // ratio
         prompt_speech = min(budget, math.ceil(prompt_seconds * token_rate))
-        text = math.ceil(budget / max(min_ratio, 1.0))
+        text = max(math.ceil(budget / max(min_ratio, 1.0)), COSYVOICE_MAX_TOKENS)  # a segment's bound: always covered
         prefill = 2 + text + 2 * prompt_speech  # sos + target text + prompt text + task id + prompt speech
         return cls(budget, prompt_speech, prefill, prefill + math.ceil(max_ratio * text), lookahead, upsample,
                    math.ceil(d.max_frames / SPEED_MIN) + mel_cache)  # speed < 1 stretches the mel HiFT gets
@@ -108,13 +112,33 @@ def _cosyvoice2_ranges(c: dict[str, Any], d: DeviceProfile) -> dict[str, dict[st
     }
 
 
+def _cosyvoice3_ranges(c: dict[str, Any], d: DeviceProfile) -> dict[str, dict[str, Range]]:
+    """Fun-CosyVoice3: CosyVoice2's rules (the same LLM, flow and HiFT symbols and bounds, read from its own
+    manifest), plus the fixed sine-noise rows `hift_source` reads: L = T x U, one row per output sample, at most
+    the release's noise tensor (`hift_noise.max_rows`, 300 s: the vocoder refuses longer), which bounds T too."""
+    ranges = _cosyvoice2_ranges(c, d)
+    try:
+        upsample, rows = int(c["hift_upsample"]), int(c["hift_noise"]["max_rows"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BundleError(f"manifest config lacks what the TensorRT profiles need ({type(exc).__name__}: "
+                          f"{exc})") from None
+    lo, opt, hi = ranges["hift_source"]["T"]
+    frames = _clamp(opt, lo, min(hi, rows // upsample))
+    samples = (frames[0] * upsample, frames[1] * upsample, frames[2] * upsample)
+    hift = {"B": (1, 1, 1), "T": frames, "TU": samples}
+    ranges["hift_source"] = {**hift, "L": samples}
+    ranges["hift_decoder"] = hift
+    return ranges
+
+
 def _vits_ranges(c: dict[str, Any], d: DeviceProfile) -> dict[str, dict[str, Range]]:
-    """Piper VITS: one call holds the sentences of one text (batch), each at most ~1000 phoneme ids."""
-    return {"vits": {"batch_size": (1, 1, max(32, d.max_rows)), "phonemes": (1, 128, 1024)}}
+    """Piper VITS: one call holds the sentences of one text (batch), each at most VITS_MAX_IDS phoneme ids (the
+    segmenter cuts longer sentences)."""
+    return {"vits": {"batch_size": (1, 1, max(32, d.max_rows)), "phonemes": (1, 128, VITS_MAX_IDS)}}
 
 
 _FAMILIES: dict[str, Callable[[dict[str, Any], DeviceProfile], dict[str, dict[str, Range]]]] = {
-    "cosyvoice2": _cosyvoice2_ranges, "vits": _vits_ranges}
+    "cosyvoice2": _cosyvoice2_ranges, "cosyvoice3": _cosyvoice3_ranges, "vits": _vits_ranges}
 
 
 def _input_profile(graph: str, spec: Any, dims: dict[str, Range]) -> InputProfile | None:

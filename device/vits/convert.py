@@ -6,6 +6,12 @@ int8 graph quantizes the normalising flow only (dynamic int8, per-channel weight
 encoder and duration predictor stay fp32, so both precisions produce the same phoneme durations
 and can be compared frame by frame; the HiFi-GAN decoder stays fp32 because int8 there costs
 ~5 dB of mel-cepstral distortion (measured: 5.3-5.8 dB with it, 0.7-0.8 dB without).
+
+The converted graph differs from Piper's in four ways, all made before int8 quantization so both precisions
+have them: a `seed` input drives its noise (`noise.py`), two more outputs say how long each item is (`frames`, to
+cut padded batches) and how many frames each phoneme id lasts (`durations`, for word times), and its wide 1-D
+convolutions are 2-D ones of height 1 (`layout.py`: ONNX Runtime's blocked kernels, where they pay).
+`GRAPH_VERSION` in the manifest's config names that shape; a bundle without it was converted before the seed.
 """
 from __future__ import annotations
 
@@ -21,6 +27,9 @@ import onnx
 from cosyedge.device.bundle import sha256_file
 from cosyedge.device.bundle_writer import TOOL_VERSION, BundleWriter, check_out_dir, created_now
 from cosyedge.device.errors import ReleaseError
+from cosyedge.device.paths import read_text
+from cosyedge.device.vits.layout import wide_convolutions_as_2d
+from cosyedge.device.vits.noise import seed_random_nodes
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +39,8 @@ QUALITY_SENTENCES = (
     "Your order number is four hundred and twelve.",
     "Welcome! How can I help you today?",
 )
+GRAPH_VERSION = 3  # 3: wide convolutions 2-D; 2: `seed` input, `durations` output; 1 (unnamed): `frames` only
+VOICE_CONFIG_MAX_BYTES = 1 << 20  # a Piper voice's .onnx.json: a few kB (its phoneme table)
 MCD_GATE_DB = 2.0  # int8 is only the default precision when it is faster and stays below this MCD
 NOT_MEASURED = ("resemblyzer unavailable (needs torch, so the device does not measure it); "
                 "run `cosyedge quantize --force` with the [quantize] extra")
@@ -43,12 +54,12 @@ class SpeakerMeasure(Protocol):
     def __call__(self, reference: np.ndarray, test: np.ndarray, sample_rate: int) -> float: ...
 
 
-def _frames_tensor(model: onnx.ModelProto) -> str:
-    """The ReduceSum over ceil'd durations: the number of output frames per batch item."""
+def _duration_tensors(model: onnx.ModelProto) -> tuple[str, str]:
+    """The ceil'd durations (frames per phoneme id) and their ReduceSum (output frames per batch item)."""
     ceil_outputs = {out for node in model.graph.node if node.op_type == "Ceil" for out in node.output}
     for node in model.graph.node:
         if node.op_type == "ReduceSum" and node.input[0] in ceil_outputs:
-            return node.output[0]
+            return node.input[0], node.output[0]
     raise ReleaseError("voice model: no duration (Ceil -> ReduceSum) tensor found; not a Piper VITS export")
 
 
@@ -57,9 +68,16 @@ def _write_fp32(model_path: Path, out: Path) -> onnx.ModelProto:
         model = onnx.load(str(model_path))
     except Exception as exc:  # noqa: BLE001
         raise ReleaseError(f"{model_path.name}: not a readable ONNX model ({type(exc).__name__})") from None
-    frames = _frames_tensor(model)
-    model.graph.node.append(onnx.helper.make_node("Identity", [frames], ["frames"], name="cosyedge_frames"))
-    model.graph.output.append(onnx.helper.make_tensor_value_info("frames", onnx.TensorProto.FLOAT, ["batch_size"]))
+    durations, frames = _duration_tensors(model)
+    seed_random_nodes(model)
+    graph = model.graph
+    graph.node.append(onnx.helper.make_node("Identity", [frames], ["frames"], name="cosyedge_frames"))
+    graph.node.append(onnx.helper.make_node("Identity", [durations], ["durations"], name="cosyedge_durations"))
+    graph.output.append(onnx.helper.make_tensor_value_info("frames", onnx.TensorProto.FLOAT, ["batch_size"]))
+    graph.output.append(onnx.helper.make_tensor_value_info("durations", onnx.TensorProto.FLOAT,
+                                                           ["batch_size", 1, "phonemes"]))
+    wide_convolutions_as_2d(model)
+    onnx.checker.check_model(model)
     onnx.save(model, str(out))
     return model
 
@@ -81,10 +99,10 @@ def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: 
     model_path, config_path, out = Path(model_path), Path(config_path), Path(out)
     check_out_dir(out)
     try:
-        voice = json.loads(config_path.read_text(encoding="utf-8"))
+        voice = json.loads(read_text(config_path, "Piper voice config", VOICE_CONFIG_MAX_BYTES, ReleaseError))
         espeak_voice = voice["espeak"]["voice"]
         sample_rate = int(voice["audio"]["sample_rate"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
         raise ReleaseError(f"{config_path.name}: not a Piper voice config ({type(exc).__name__}: {exc})") from None
     if voice.get("phoneme_type", "espeak") != "espeak":
         raise ReleaseError(f"{config_path.name}: phoneme_type {voice.get('phoneme_type')!r} is not supported (espeak only)")
@@ -105,7 +123,7 @@ def build_piper_bundle(model_path: Path, config_path: Path, out: Path, measure: 
             sample_rate=sample_rate, voices=tuple(speakers), default_precision="fp32",
             config={"espeak_voice": espeak_voice, "noise_scale": inference.get("noise_scale", 0.667),
                     "length_scale": inference.get("length_scale", 1.0), "noise_w": inference.get("noise_w", 0.8),
-                    "hop_length": 256},
+                    "hop_length": 256, "graph_version": GRAPH_VERSION},
             provenance={"source_model": model_path.name, "source_model_sha256": sha256_file(model_path),
                         "source_config": config_path.name, "source_config_sha256": sha256_file(config_path),
                         "tool_version": TOOL_VERSION, "created": created_now(),

@@ -2,21 +2,29 @@
 
 Phonemisation uses the espeak-ng build bundled with `piper-tts` (GPL-3.0). The bundle's graph has
 an extra `frames` output (mel frames per item) so padded batches can be cut back to each item's
-true length.
+true length, a `seed` input from which it draws its noise (`noise.py`): a request's seed, or a fresh
+random one per call when it gives none, and a `durations` output (frames per phoneme id) that times the words
+of `word_segments` (`words.py`).
 """
 from __future__ import annotations
 
 import json
+import secrets
 import threading
+from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from cosyedge.device.bundle import Bundle
-from cosyedge.device.errors import EmptyTextError
-from cosyedge.device.options import Segment, SynthesisOptions
+from cosyedge.device.errors import EmptyTextError, UnsupportedOptionError
+from cosyedge.device.options import Segment, SynthesisOptions, Word
 from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
+from cosyedge.device.text import VITS_MAX_IDS, cut_to_bound
+from cosyedge.device.vits.layout import NCHWC_THREADS_MAX
+from cosyedge.device.vits.noise import SEED_INPUT
+from cosyedge.device.vits.words import WordSpan, word_spans
 
 
 class VitsPipeline(Pipeline):
@@ -28,6 +36,7 @@ class VitsPipeline(Pipeline):
     batch_ids_max = 0
 
     def __init__(self, bundle: Bundle, precision: str, sessions: SessionConfig) -> None:
+        from piper import espeakbridge
         from piper.phoneme_ids import phonemes_to_ids
         from piper.phonemize_espeak import EspeakPhonemizer
 
@@ -41,29 +50,111 @@ class VitsPipeline(Pipeline):
         self._id_map = json.loads(bundle.asset("phoneme_id_map").read_text(encoding="utf-8"))
         self._phonemes_to_ids = phonemes_to_ids
         self._phonemizer = EspeakPhonemizer()
+        self._espeak = espeakbridge  # initialised by the phonemizer: one token at a time for word_segments
         self._espeak_lock = threading.Lock()  # espeak-ng keeps global state: one caller at a time
         component = bundle.component("vits", precision)
+        if sessions.threads() > NCHWC_THREADS_MAX:  # the wide convolutions' blocked layout would idle threads
+            sessions = replace(sessions, disabled_optimizers=(*sessions.disabled_optimizers, "NchwcTransformer"))
         self._session = sessions.create(bundle.path(component.file))
-        self._has_sid = any(i.name == "sid" for i in self._session.get_inputs())
+        inputs = {i.name for i in self._session.get_inputs()}
+        self._has_sid = "sid" in inputs
+        self._seeded = SEED_INPUT in inputs  # False: converted before seeds were honoured
+        self._timed = "durations" in {o.name for o in self._session.get_outputs()}  # False: converted before it
         self._precision = precision
+
+    attribution = ("Piper (rhasspy / OHF-Voice)", "https://github.com/OHF-Voice/piper1-gpl")
 
     def voices(self) -> list[str]:
         return list(self._voices)
 
+    def languages(self) -> list[str]:
+        """The voice's espeak language as Wyoming writes it: en-us -> en_US."""
+        code = str(self._espeak_voice).split("-")
+        return ["_".join([code[0], *[c.upper() for c in code[1:]]])]
+
     def segments(self, text: str) -> list[Segment]:
+        """espeak-ng's sentences, each cut to at most VITS_MAX_IDS phoneme ids (after a clause, else at a word)."""
         with self._espeak_lock:
             sentences = self._phonemizer.phonemize(self._espeak_voice, text)
-        segments = []
+        return self._segments(self._bounded(sentences, VITS_MAX_IDS))
+
+    @property
+    def times_words(self) -> bool:
+        return self._timed
+
+    def word_segments(self, text: str) -> list[Segment]:
+        """`segments`, each with the words of `text` it speaks as ranges of its ids (`words.py`); a bundle converted
+        before the `durations` output cannot time them and gets none."""
+        if not self._timed:
+            return self.segments(text)
+        tokens = text.split()
+        with self._espeak_lock:
+            sentences = self._phonemizer.phonemize(self._espeak_voice, text)
+            self._espeak.set_voice(self._espeak_voice)
+            isolated = ["".join(clause for clause, _, _ in self._espeak.get_phonemes(token)) for token in tokens]
+        spoken = [phonemes for phonemes in self._bounded(sentences, VITS_MAX_IDS) if self._speakable(phonemes)]
+        return self._segments(spoken, word_spans(spoken, tokens, isolated, self._id_map))
+
+    @staticmethod
+    def _speakable(phonemes: list[str]) -> bool:
+        return any(p.isalpha() for p in phonemes)
+
+    def _bounded(self, sentences: list[list[str]], limit: int) -> list[list[str]]:
+        """Each sentence whose ids would pass `limit` cut into pieces (after a clause, else at a word, else between
+        phonemes), without the spaces at their cuts; a sentence that fits stays as piper speaks it."""
+        out = []
         for phonemes in sentences:
-            if not any(p.isalpha() for p in phonemes):
-                continue
-            ids = self._phonemes_to_ids(phonemes, self._id_map)
-            segments.append(Segment(text="".join(phonemes), ids=tuple(ids)))
+            pieces = cut_to_bound(phonemes, limit, self._id_count)
+            out += [phonemes] if len(pieces) == 1 else [list("".join(piece).strip(" ")) for piece in pieces]
+        return out
+
+    def _id_count(self, phonemes: Sequence[str]) -> int:
+        """The ids `phonemes_to_ids` makes: BOS, pad, each known phoneme's ids and a pad, EOS."""
+        return 3 + sum(len(self._id_map[p]) + 1 for p in phonemes if p in self._id_map)
+
+    def _pieces(self, segment: Segment, speed: float) -> list[Segment]:
+        """A segment cut to one call's bound at this speed: a slower speed makes more frames per id, so the bound
+        shrinks with it (a call's memory follows its frames); a segment of `segments` holds its phonemes."""
+        limit = max(16, int(VITS_MAX_IDS * min(1.0, speed)))
+        if len(segment.ids) <= limit:
+            return [segment]
+        pieces = [p for p in self._bounded([list(segment.text)], limit) if self._speakable(p)]
+        return self._segments(pieces) if pieces else [segment]
+
+    def _segments(self, sentences: list[list[str]], words: list[tuple[WordSpan, ...]] | None = None,
+                  ) -> list[Segment]:
+        segments = [Segment(text="".join(phonemes), ids=tuple(self._phonemes_to_ids(phonemes, self._id_map)),
+                            words=words[index] if words else ())
+                    for index, phonemes in enumerate(s for s in sentences if self._speakable(s))]
         if not segments:
             raise EmptyTextError("text contains nothing speakable for this voice")
         return segments
 
     def synthesize(self, segments: Sequence[Segment], options: SynthesisOptions) -> list[np.ndarray]:
+        pieces = [self._pieces(segment, options.speed) for segment in segments]
+        if all(len(p) == 1 for p in pieces):
+            return self._run(segments, options, ["output", "frames"])[0]
+        return [np.concatenate([self._run([piece], options, ["output", "frames"])[0][0] for piece in parts])
+                for parts in pieces]
+
+    def synthesize_words(self, segments: Sequence[Segment], options: SynthesisOptions, batch_max: int,
+                         ) -> list[tuple[np.ndarray, tuple[Word, ...]]]:
+        """One model call per segment, as `synthesize_many` makes them (`batch_ids_max = 0`); a word's times are
+        the summed frames of the phoneme ids before its first id and through its last, in seconds."""
+        if not self._timed:
+            return super().synthesize_words(segments, options, batch_max)
+        timed = []
+        for segment in segments:
+            (wave,), durations = self._run([segment], options, ["output", "frames", "durations"])
+            edges = np.concatenate([[0.0], np.cumsum(durations[0].reshape(-1)[: len(segment.ids)], dtype=np.float64)])
+            seconds = edges * (self._hop / self.sample_rate)
+            timed.append((wave, tuple(Word(text, float(seconds[start]), float(seconds[end]))
+                                      for text, start, end in segment.words)))
+        return timed
+
+    def _run(self, segments: Sequence[Segment], options: SynthesisOptions, outputs: list[str],
+             ) -> tuple[list[np.ndarray], np.ndarray | None]:
+        """One padded model call: each segment's waveform, cut to its frames, and the durations when asked for."""
         lengths = np.array([len(u.ids) for u in segments], dtype=np.int64)
         ids = np.zeros((len(segments), int(lengths.max())), dtype=np.int64)
         for row, segment in enumerate(segments):
@@ -75,16 +166,35 @@ class VitsPipeline(Pipeline):
                                         "scales": np.array([noise, length / options.speed, noise_w], dtype=np.float32)}
         if self._has_sid:
             feeds["sid"] = np.full(len(segments), self._speaker_ids.get(options.voice, 0), dtype=np.int64)
-        audio, frames = self._session.run(["output", "frames"], feeds)
+        if self._seeded:
+            seed = secrets.randbits(32) if options.seed is None else options.seed
+            feeds[SEED_INPUT] = np.full(len(segments), seed, dtype=np.int64)
+        audio, frames, *durations = self._session.run(outputs, feeds)
         samples = np.asarray(frames).reshape(-1).astype(np.int64) * self._hop
-        return [audio[row].reshape(-1)[: samples[row]].astype(np.float32) for row in range(len(segments))]
+        waves = [audio[row].reshape(-1)[: samples[row]].astype(np.float32) for row in range(len(segments))]
+        return waves, (durations[0] if durations else None)
 
     def stream(self, segment: Segment, options: SynthesisOptions) -> Iterator[np.ndarray]:
-        yield self.synthesize([segment], options)[0]
+        for piece in self._pieces(segment, options.speed):
+            yield self._run([piece], options, ["output", "frames"])[0][0]
+
+    def stream_words(self, segment: Segment, options: SynthesisOptions, stop: threading.Event | None,
+                     batch_max: int) -> Iterator[tuple[np.ndarray, tuple[Word, ...]]]:
+        """A segment is one chunk (as `stream`), so its words come with it."""
+        if stop is None or not stop.is_set():
+            yield self.synthesize_words([segment], options, batch_max)[0]
+
+    def check_options(self, options: SynthesisOptions) -> None:
+        """A seed needs a graph that takes one; an older bundle's graph draws its own noise, which no seed reaches
+        (a deterministic request draws none, so its seed, the engine's default one included, is moot)."""
+        super().check_options(options)
+        if options.seed is not None and not options.deterministic and not self._seeded:
+            raise UnsupportedOptionError("this bundle was converted before seeds were honoured; rebuild it "
+                                         "(cosyedge quantize --force, or --piper-model ... --out) to use seed")
 
     def reproducible(self, options: SynthesisOptions) -> bool:
-        """Only without noise: the graph draws its own noise, which no seed reaches."""
-        return options.deterministic
+        """Without noise, or with a fixed seed for the graph's noise."""
+        return options.deterministic or (options.seed is not None and self._seeded)
 
     def describe(self) -> dict[str, Any]:
         return {"family": "vits", "precision": {"vits": self._precision}, "providers": self._session.get_providers()}

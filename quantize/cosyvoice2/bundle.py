@@ -24,9 +24,10 @@ from cosyedge.quantize.cosyvoice2.hift import build_hift
 from cosyedge.quantize.cosyvoice2.hift_export import export_hift
 from cosyedge.quantize.cosyvoice2.gates import GateConfig, session
 from cosyedge.quantize.cosyvoice2.llm import LLMConfig, build_llm
+from cosyedge.quantize.cosyvoice2.llm_align import ALIGN_NAME, alignment_targets, export_alignment, voice_prompts
 from cosyedge.quantize.cosyvoice2.llm_export import embedding_tables, export_llm
 from cosyedge.quantize.cosyvoice2.precision import build_targets
-from cosyedge.quantize.cosyvoice2.preset_report import bundle_presets, zero_shot_prompt
+from cosyedge.quantize.cosyvoice2.preset_report import bundle_presets, graph_sets, zero_shot_prompt
 from cosyedge.quantize.cosyvoice2.release import YAML_NAME, Release
 from cosyedge.quantize.cosyvoice2.tokenizer import write_tokenizer_json
 
@@ -153,6 +154,8 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
         voices = write_voices(release, work, work / "tokenizer.json")
         for name, rel in voices:
             writer.add_asset(f"voice:{name}", rel)
+        align = export_alignment(modules["llm"], work, voice_prompts([work / rel for _, rel in voices]))
+        writer.add_component(ALIGN_NAME, "fp32", align.fp32.name)
         del modules
         built = None
         if targets:
@@ -163,11 +166,12 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                 inference_cfg_rate=flow_config.inference_cfg_rate, n_timesteps=10, noise=fixed_noise(),
                 sample_rate=int(release.hparams["sample_rate"]), hift_upsample=480,
                 spk_embed_dim=flow_config.spk_embed_dim)
-            fp32 = {c.name: work / c.file for c in writer.components if c.name not in ONNX_STAND_INS}
+            fp32 = {c.name: work / c.file for c in writer.components if c.name not in (*ONNX_STAND_INS, ALIGN_NAME)}
             t0 = time.perf_counter()
             built = build_targets(targets, fp32, work, gate_config, allow_fallback, log=log.info)
             for (component, precision), path in built.files.items():
                 writer.add_component(component, precision, path.name)
+            built.quality["alignment"] = alignment_targets(align, built.targets, writer.add_component, log.info)
             timings["targets"] = round(time.perf_counter() - t0, 2)
         del tables
         config = {"speech_token_size": llm_config.speech_token_size, "eos": llm_config.eos,
@@ -175,14 +179,14 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                   "max_token_text_ratio": llm_config.max_token_text_ratio, "sampling": _sampling(release.hparams),
                   "token_mel_ratio": flow_config.token_mel_ratio, "pre_lookahead_len": flow_config.pre_lookahead_len,
                   "n_timesteps": 10, "inference_cfg_rate": flow_config.inference_cfg_rate,
-                  "mel": _mel_config(release.hparams), "hift_upsample": 480, "stream": STREAM,
+                  "mel": _mel_config(release.hparams), "hift_upsample": 480,
+                  "stream": {**STREAM, "lookahead": flow_config.pre_lookahead_len},  # the official streaming rule
                   "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30,
-                  **({"targets": built.targets} if built else {})}
+                  "align": align.config, **({"targets": built.targets} if built else {})}
         t0 = time.perf_counter()
-        graph_sets = {target: {g: work / f"{ref['component']}.{ref['precision']}.onnx"
-                               for g, ref in entry["graphs"].items()} for target, entry in built.targets.items()} \
-            if built else {"fp32": {c.name: work / c.file for c in writer.components if c.precision == "fp32"}}
-        offered, preset_quality = bundle_presets(graph_sets, fixed_noise(), config,
+        sets = graph_sets(work, built.targets if built else None,
+                          {c.name: work / c.file for c in writer.components if c.precision == "fp32"})
+        offered, preset_quality = bundle_presets(sets, fixed_noise(), config,
                                                  zero_shot_prompt([work / rel for _, rel in voices]), session, log.info)
         config.update(presets=offered, default_preset="official")
         timings["presets"] = round(time.perf_counter() - t0, 2)

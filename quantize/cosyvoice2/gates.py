@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import numpy as np
 import onnxruntime as ort
 
-from cosyedge.device.cosyvoice2.llm import cache_dims, prefill_feeds
+from cosyedge.device.cosyvoice2.kvcache import LLMCalls
 from cosyedge.device.quality import mel_cepstral_distortion, snr_db
 
 # What "still sounds like fp32" means per stage. LLM: mean KL(fp32 || quantized) of the speech-token distribution
@@ -170,16 +170,14 @@ class Gates:
     def llm_logits(self, graphs: dict[str, Path], lm_input: np.ndarray, tokens: list[int], steps: int,
                    sample: tuple[np.random.Generator, list[int]] | None = None,
                    record: Callable[[dict[str, np.ndarray]], None] | None = None) -> np.ndarray:
-        """Logits [steps + 1, V] of the `llm` graph: the prefill on lm_input (empty caches), then decode steps fed
-        with `tokens` (teacher forcing); with `sample`, the tokens are drawn from these logits as they come."""
+        """Logits [steps + 1, V] of the `llm` graph (either cache contract: kvcache.LLMCalls, as the runtime calls
+        it): the prefill on lm_input, then decode steps fed with `tokens` (teacher forcing); with `sample`, the
+        tokens are drawn from these logits as they come; `record` receives every call's inputs."""
         c = self.config
-        length = lm_input.shape[1]
-        feeds = prefill_feeds(lm_input, np.ones((1, length), np.int64), cache_dims(self._session(graphs["llm"])))
+        calls = LLMCalls(self._session(graphs["llm"]), record)
+        logits, cache = calls.prefill([lm_input])
         out = []
         for i in range(steps + 1):
-            if record:
-                record(feeds)
-            logits, key, value = self.run(graphs["llm"], feeds)
             out.append(logits)
             if i == steps:
                 break
@@ -189,10 +187,7 @@ class Gates:
                 top = np.argsort(logp)[-TOP_K:]
                 p = np.exp(logp[top] - logp[top].max())
                 chosen.append(int(rng.choice(top, p=p / p.sum())))
-            feeds = {"inputs_embeds": c.speech_embedding[tokens[i]][None, None].astype(np.float32),
-                     "past_key": key, "past_value": value,
-                     "attention_mask": np.ones((1, length + i + 1), np.int64),
-                     "position_ids": np.array([[length + i]], np.int64)}
+            logits, cache = calls.decode(c.speech_embedding[tokens[i]][None, None].astype(np.float32), cache)
         return np.concatenate(out)
 
     def llm(self, graphs: dict[str, Path], precision: str) -> StageReport:

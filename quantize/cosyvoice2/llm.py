@@ -131,15 +131,7 @@ class Qwen2LM(nn.Module):
         n = inputs_embeds.shape[1]
         total = attention_mask.shape[1]
         past = total - n
-        key_pos = torch.arange(total, device=inputs_embeds.device)
-        query_pos = torch.arange(n, device=inputs_embeds.device) + past
-        causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)                      # [n, T]
-        allowed = (causal.unsqueeze(0) & (attention_mask.unsqueeze(1) != 0))[:, None, None]  # [B,1,1,n,T]
-
-        freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq          # [B, n, D/2]
-        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)                       # [B, 1, n, D]
-        cos, sin = angles.cos(), angles.sin()
-
+        allowed, cos, sin = self.frame(inputs_embeds, attention_mask, position_ids)
         x = inputs_embeds
         keys, values = [], []
         for i, layer in enumerate(self.body.layers):
@@ -157,6 +149,20 @@ class Qwen2LM(nn.Module):
         c = self.config.qwen
         shape = (c.num_layers, x.shape[0], c.num_kv_heads, total, c.head_dim)  # static sizes stay static in ONNX
         return logits, torch.stack(keys).reshape(shape), torch.stack(values).reshape(shape)
+
+    def frame(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every layer of a causal pass shares: which keys each new position may see [B, 1, 1, n, P + n]
+        (causal and real) and the rotary tables cos, sin [B, 1, n, D] of the new positions."""
+        n = inputs_embeds.shape[1]
+        total = attention_mask.shape[1]
+        key_pos = torch.arange(total, device=inputs_embeds.device)
+        query_pos = torch.arange(n, device=inputs_embeds.device) + (total - n)
+        causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)                      # [n, T]
+        allowed = (causal.unsqueeze(0) & (attention_mask.unsqueeze(1) != 0))[:, None, None]  # [B,1,1,n,T]
+        freqs = position_ids.to(torch.float32).unsqueeze(-1) * self.inv_freq          # [B, n, D/2]
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)                       # [B, 1, n, D]
+        return allowed, angles.cos(), angles.sin()
 
     def prefill(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -92,6 +92,13 @@ class Qwen2Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
                 past_key: torch.Tensor | None, past_value: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out, k, v, _ = self.attend(x, cos, sin, allowed, past_key, past_value)
+        return out, k, v
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
+               past_key: torch.Tensor | None, past_value: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` and its attention weights [b, KV, group, n, P + n] (the word-timing pass reads them)."""
         c = self.c
         b, n = x.shape[0], x.shape[1]
         q = self.q_proj(x).reshape(b, n, c.num_heads, c.head_dim).transpose(1, 2)
@@ -107,9 +114,10 @@ class Qwen2Attention(nn.Module):
         scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * (1.0 / math.sqrt(c.head_dim))
         # `where`, not an additive -inf: a fully padded query row stays finite instead of NaN.
         scores = torch.where(allowed, scores, torch.finfo(scores.dtype).min)
-        out = torch.matmul(torch.softmax(scores, dim=-1), v.unsqueeze(2))  # [b, kv, group, n, d]
+        weights = torch.softmax(scores, dim=-1)
+        out = torch.matmul(weights, v.unsqueeze(2))  # [b, kv, group, n, d]
         out = out.reshape(b, c.num_heads, n, c.head_dim).transpose(1, 2).reshape(b, n, c.num_heads * c.head_dim)
-        return self.o_proj(out), k, v
+        return self.o_proj(out), k, v, weights
 
 
 class Qwen2MLP(nn.Module):
@@ -134,9 +142,16 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
                 past_key: torch.Tensor | None, past_value: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, allowed, past_key, past_value)
+        x, k, v, _ = self.attend(x, cos, sin, allowed, past_key, past_value)
+        return x, k, v
+
+    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, allowed: torch.Tensor,
+               past_key: torch.Tensor | None, past_value: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` and the layer's attention weights (`Qwen2Attention.attend`)."""
+        attn, k, v, weights = self.self_attn.attend(self.input_layernorm(x), cos, sin, allowed, past_key, past_value)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v, weights
 
 
 class Qwen2Body(nn.Module):

@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 from cosyedge.device.bundle import TARGETS
 from cosyedge.device.sessions import return_freed_memory
 from cosyedge.quantize.cosyvoice2.precision_targets import (CPU_LLM_METHOD, CPU_TARGETS, CV2_RULES, LADDERS,
-                                                            OPTIONAL_INT8, STAGE_GRAPHS, GraphRules, Variant,
-                                                            build_variant, stage_variants, uncalibrated)
+                                                            OPTIONAL_INT8, RUNG_ORDER, STAGE_GRAPHS, GraphRules,
+                                                            Variant, build_variant, stage_variants, uncalibrated)
 
 
 @dataclass
@@ -97,7 +97,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
             for rank in range(start, len(ladder)):
                 precision = ladder[rank]
                 if precision != "fp32":
-                    graphs = {v.graph: path_of(v) for v in stage_variants(target, stage, precision)}
+                    graphs = {v.graph: path_of(v) for v in stage_variants(target, stage, precision, rules)}
                     result = check(stage, graphs, precision)
                     gates.forget(p for g, p in graphs.items() if p != fp32[g])   # full-size sessions are large
                     gc.collect()
@@ -123,7 +123,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
             settle(stage, 0)
         e2e: list[dict] = []
         while stages["flow"] != "fp32" or stages["hift"] != "fp32":
-            graphs = {v.graph: path_of(v) for s in ("flow", "hift") for v in stage_variants(target, s, stages[s])}
+            graphs = {v.graph: path_of(v) for s in ("flow", "hift") for v in stage_variants(target, s, stages[s], rules)}
             result = check("e2e", graphs, f"flow {stages['flow']}, hift {stages['hift']}")
             e2e.append(result.as_dict())
             log(f"{target} e2e {result.precision}: {result.metrics} {'pass' if result.passed else result.failures}")
@@ -135,12 +135,11 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
                                    "precision until it passes")
             # step down the lower-precision stage first (int8 before fp16); on a tie the flow, whose error the
             # vocoder inherits
-            order = {"int8": 0, "fp16": 1, "fp32": 2}
-            stage = min(("flow", "hift"), key=lambda s: order[stages[s]])
+            stage = min(("flow", "hift"), key=lambda s: RUNG_ORDER[stages[s]])
             settle(stage, LADDERS[target][stage].index(stages[stage]) + 1, "end-to-end gate")
         report["e2e"] = {"precision": f"flow {stages['flow']}, hift {stages['hift']}", "attempts": e2e,
                          "fallback_from": None}
-        chosen = [v for s in STAGE_GRAPHS for v in stage_variants(target, s, stages[s])]
+        chosen = [v for s in STAGE_GRAPHS for v in stage_variants(target, s, stages[s], rules)]
         used.update((v.component, v.precision) for v in chosen)
         config[target] = {
             "graphs": {v.graph: {"component": v.component, "precision": v.precision} for v in chosen},

@@ -3,9 +3,12 @@
 Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision targets"):
 
 * `cpu` (ONNX Runtime CPU): LLM graphs with int8 weights (`CPU_LLM_METHOD`, chosen by measurement on the full-size
-  graph: weight-only `MatMulNBits` 8-bit blocks); the flow estimator with dynamic int8 MatMuls (`CPU_FLOW_DYNAMIC`:
-  int8 weights per channel, activations quantized per call, the CPU's integer dot-product kernels); the flow encoder and the HiFT source stay fp32; the HiFT decoder becomes int8 only where
-  its gate passes.
+  graph: weight-only `MatMulNBits` 8-bit blocks) and the shared key/value cache contract where the head size allows
+  (`GraphRules.shared_kv`, llm_shared_kv.py: GroupQueryAttention writes each new position into the cache in place); the flow estimator with dynamic int8 MatMuls (`CPU_FLOW_DYNAMIC`:
+  int8 weights per channel, activations quantized per call, the CPU's integer dot-product kernels) and its
+  attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`, attention_fusion.py); the
+  flow encoder is dynamic int8 too where the end-to-end gate allows (else the `int8-estimator` rung keeps it fp32);
+  the HiFT source stays fp32; the HiFT decoder becomes int8 only where its gate passes.
 * `cpu-int4` (optional, ONNX Runtime CPU): the `cpu` target with 4-bit LLM weights (`MatMulNBits`, blocks of 32,
   symmetric, int8 compute) under their own LLM gate thresholds (gates.PRECISION_THRESHOLDS), falling back to the
   int8 LLM; its flow and HiFT graphs are the `cpu` target's (the same files when both targets are built).
@@ -28,6 +31,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 
+from cosyedge.quantize.cosyvoice2.attention_fusion import fuse_attention
+from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
 from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_weights_dynamic,
                                                                name_matches, nbits_weights, static_int8_qdq,
                                                                to_fp16)
@@ -74,9 +79,20 @@ class GraphRules:
     # graphs whose cpu int8 is dynamic (weights quantized, activations per call: no calibration); the others but
     # the LLM's (weight-only) are static QDQ, calibrated
     dynamic_int8: frozenset[str] = frozenset()
+    # graphs whose cpu int8 variant gets ONNX Runtime's fused attention after quantization (attention_fusion.py:
+    # the CPU kernel's MultiHeadAttention, flash path when unmasked); other targets keep the exported attention
+    fused_attention: frozenset[str] = frozenset()
+    # LLM graphs whose cpu variants (int8 / int4) take the shared key/value cache contract (llm_shared_kv.py:
+    # GroupQueryAttention writing into a preallocated cache in place) where the kernel supports the head size
+    shared_kv: frozenset[str] = frozenset()
+    # graphs kept fp32 at every rung of the cpu targets (no calibration-free int8 transform in this family; the cpu
+    # ladder's int8 flow rung quantizes the flow encoder only where `dynamic_int8` has it)
+    cpu_fp32: frozenset[str] = frozenset()
 
 
-CV2_RULES = GraphRules(INT8_EXCLUDE, FP32_NAMES, frozenset({"flow_estimator"} if CPU_FLOW_DYNAMIC else ()))
+CV2_RULES = GraphRules(INT8_EXCLUDE, FP32_NAMES, frozenset({"flow_encoder", *(("flow_estimator",) if CPU_FLOW_DYNAMIC
+                                                                                else ())}),
+                       fused_attention=frozenset({"flow_estimator"}), shared_kv=frozenset({"llm"}))
 
 
 def fp32_island(graph_name: str, quantized: bool = False, rules: GraphRules = CV2_RULES
@@ -118,19 +134,30 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
     exclude = rules.int8_exclude.get(v.graph, ())
     if v.precision == "fp16":
         return to_fp16(fp32, dst, fp32_island(v.graph, rules=rules))
-    if v.precision == "int4" and v.graph in STAGE_GRAPHS["llm"]:
-        return nbits_weights(fp32, dst, exclude, bits=4)
-    if v.precision != "int8":
+    if v.precision not in ("int4", "int8") or (v.precision == "int4" and v.graph not in STAGE_GRAPHS["llm"]):
         raise ValueError(f"no transform of {v.graph} to {v.precision}")
-    if v.component == v.graph and v.graph in STAGE_GRAPHS["llm"]:
-        method = {"matmul_nbits": nbits_weights, "dynamic": int8_weights_dynamic}[cpu_llm_method]
-        return method(fp32, dst, exclude)
-    if v.component == v.graph and v.graph in rules.dynamic_int8:
-        return int8_weights_dynamic(fp32, dst, exclude)
-    qdq = dst.with_name(f"{dst.stem}.qdq32.onnx") if v.component != v.graph else dst
-    static_int8_qdq(fp32, qdq, calibration or (), exclude)
-    if v.component == v.graph:
+    if v.component == v.graph and v.graph in STAGE_GRAPHS["llm"]:     # the cpu targets' LLM: weight-only
+        source = fp32
+        if v.graph in rules.shared_kv and supports_shared_kv(fp32):
+            source = dst.with_name(f"{dst.stem}.kv32.onnx")
+            shared_kv_llm(fp32, source)
+        if v.precision == "int4":
+            nbits_weights(source, dst, exclude, bits=4)
+        else:
+            {"matmul_nbits": nbits_weights, "dynamic": int8_weights_dynamic}[cpu_llm_method](source, dst, exclude)
+        if source != fp32:
+            source.unlink()
         return dst
+    if v.component == v.graph:       # the cpu int8 graph
+        if v.graph in rules.dynamic_int8:
+            int8_weights_dynamic(fp32, dst, exclude)
+        else:
+            static_int8_qdq(fp32, dst, calibration or (), exclude)
+        if v.graph in rules.fused_attention:
+            fuse_attention(dst, dst)
+        return dst
+    qdq = dst.with_name(f"{dst.stem}.qdq32.onnx")
+    static_int8_qdq(fp32, qdq, calibration or (), exclude)
     to_fp16(qdq, dst, fp32_island(v.graph, quantized=True, rules=rules))
     qdq.unlink()
     return dst
@@ -140,7 +167,10 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
 # graphs of each stage that change precision (the others stay fp32).
 STAGE_GRAPHS = {"llm": ("llm",), "flow": ("flow_encoder", "flow_estimator"),
                 "hift": ("hift_source", "hift_decoder")}
-_CPU_FLOW_HIFT = {"flow": ("int8", "fp32"), "hift": ("int8", "fp32")}   # shared by cpu and cpu-int4
+# shared by cpu and cpu-int4. The flow's first rung has the encoder in int8 too; `int8-estimator` keeps the encoder
+# fp32 (a stage rung, not a graph precision: RUNG_PRECISION), so a release whose end-to-end gate cannot take the int8
+# encoder still keeps the int8 estimator.
+_CPU_FLOW_HIFT = {"flow": ("int8", "int8-estimator", "fp32"), "hift": ("int8", "fp32")}
 LADDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "cpu": {"llm": ("int8", "fp32"), **_CPU_FLOW_HIFT},
     "cpu-int4": {"llm": ("int4", "int8", "fp32"), **_CPU_FLOW_HIFT},
@@ -148,7 +178,10 @@ LADDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "trt-int8": {"llm": ("int8", "fp16", "fp32"), "flow": ("int8", "fp16", "fp32"), "hift": ("int8", "fp16", "fp32")},
 }
 # Graphs that stay fp32 although their stage is quantized (cost too small or precision-critical).
-_CPU_KEEP_FP32 = {"int8": frozenset({"flow_encoder", "hift_source"})}
+_CPU_KEEP_FP32 = {"int8": frozenset({"hift_source"}), "int8-estimator": frozenset({"flow_encoder"})}
+RUNG_PRECISION = {"int8-estimator": "int8"}     # stage rung -> the precision of its quantized graphs
+# Rank of a stage rung for the end-to-end walk (lower = less precise, stepped down first).
+RUNG_ORDER = {"int4": 0, "int8": 0, "int8-estimator": 0.5, "fp16": 1, "fp32": 2}
 KEEP_FP32: dict[str, dict[str, frozenset[str]]] = {
     "cpu": _CPU_KEEP_FP32,
     "cpu-int4": _CPU_KEEP_FP32,
@@ -163,12 +196,13 @@ CPU_TARGETS = ("cpu", "cpu-int4")
 INT8_AS_FP16 = {"trt-int8": frozenset({"flow_encoder"})}
 
 
-def stage_variants(target: str, stage: str, precision: str) -> list[Variant]:
-    """The graphs of `stage` for `target` at stage precision `precision`."""
+def stage_variants(target: str, stage: str, precision: str, rules: GraphRules = CV2_RULES) -> list[Variant]:
+    """The graphs of `stage` for `target` at stage precision `precision` (node rules of the family `rules`)."""
     out = []
     for graph in STAGE_GRAPHS[stage]:
-        p = precision
-        if graph in KEEP_FP32.get(target, {}).get(precision, frozenset()):
+        p = RUNG_PRECISION.get(precision, precision)
+        if graph in KEEP_FP32.get(target, {}).get(precision, frozenset()) or \
+                (target in CPU_TARGETS and graph in rules.cpu_fp32):
             p = "fp32"
         elif p == "int8" and graph in INT8_AS_FP16.get(target, frozenset()):
             p = "fp16"

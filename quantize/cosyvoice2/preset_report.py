@@ -1,7 +1,7 @@
 """Cost and distance of every flow quality preset from `official`, measured at bundle build time.
 
-Each preset runs the device runtime's own flow, streaming loop and vocoder (device/cosyvoice2/: the code that will
-serve it) on one graph set (fp32, or a target's graphs) against `official` on the same graphs, the same tokens, the
+Each preset runs the device runtime's own flow, stream loop and the family's vocoder part (device/cosyvoice2/ and
+the family's `vocoder` builder: the code that will serve it, CosyVoice2 or Fun-CosyVoice3) on one graph set (fp32, or a target's graphs) against `official` on the same graphs, the same tokens, the
 same prompt and the same fixed noise, rendered whole and streamed:
 
 - distance: mel cosine and relative L2 of the rendered mel, end-to-end MCD of the rendered and of the streamed
@@ -21,11 +21,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cosyedge.device.cosyvoice2 import family as cosyvoice2
 from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt
+from cosyedge.device.cosyvoice2.parts import Vocoder
 from cosyedge.device.cosyvoice2.presets import OFFICIAL, Preset
-from cosyedge.device.cosyvoice2.streaming import stream_tokens
-from cosyedge.device.cosyvoice2.vocoder import StreamConfig, Vocoder
+from cosyedge.device.cosyvoice2.streaming import ScheduleConfig, stream_tokens
 from cosyedge.device.quality import mel_cepstral_distortion
+
+VocoderBuilder = Callable[[dict[str, Any], tuple[Any, Any], int], Vocoder]  # a family's `vocoder` function
 
 # How far from `official` a faster preset may move the output (same tokens, noise and graphs).
 PRESET_THRESHOLDS: dict[str, float] = {"mel_cosine_min": 0.97, "mel_rel_l2_max": 0.25, "mcd_db_max": 4.0,
@@ -72,20 +75,20 @@ def judge_preset(metrics: dict[str, float]) -> list[str]:
 
 
 def measure_presets(presets: dict[str, Preset], graphs: dict[str, Path], noise: np.ndarray, config: dict[str, Any],
-                    prompt: FlowPrompt | None, open_session: Callable[[Path], Any]) -> dict[str, dict]:
+                    prompt: FlowPrompt | None, open_session: Callable[[Path], Any],
+                    vocoder_part: VocoderBuilder = cosyvoice2.vocoder) -> dict[str, dict]:
     """Report per preset name (see the module docstring); `official` is the reference and always passes."""
     flow_config = FlowConfig.from_config(config)
     estimator = CountingSession(open_session(graphs["flow_estimator"]))
     flow = Flow(open_session(graphs["flow_encoder"]), estimator, noise, flow_config)
-    vocoder = Vocoder(open_session(graphs["hift_source"]), open_session(graphs["hift_decoder"]),
-                      int(config["hift_upsample"]))
-    stream = StreamConfig.from_config(config["stream"])
+    rate = int(config["mel"]["sample_rate"])
+    vocoder = vocoder_part(config, (open_session(graphs["hift_source"]), open_session(graphs["hift_decoder"])), rate)
+    stream = ScheduleConfig.from_config(config["stream"])
     rng = np.random.default_rng(SEED)
     tokens = rng.integers(0, int(config["speech_token_size"]), PRESET_TOKENS, dtype=np.int64)
     if prompt is None:
         prompt = FlowPrompt(np.zeros(0, np.int64), np.zeros((0, noise.shape[1]), np.float32),
                             rng.standard_normal(192, dtype=np.float32))
-    rate = int(config["mel"]["sample_rate"])
 
     def run(preset: Preset) -> dict[str, Any]:
         estimator.take()
@@ -94,10 +97,10 @@ def measure_presets(presets: dict[str, Preset], graphs: dict[str, Path], noise: 
         seconds = time.perf_counter() - start
         calls, row_frames = estimator.take()
         start = time.perf_counter()
-        chunks = list(stream_tokens(iter(tokens.tolist()), prompt, flow, vocoder, stream, None, preset=preset))
+        chunks = list(stream_tokens(iter(tokens.tolist()), prompt, flow, vocoder.stream(None), stream, preset=preset))
         stream_seconds = time.perf_counter() - start
         stream_calls, stream_row_frames = estimator.take()
-        return {"mel": mel, "wave": vocoder(mel, None), "stream_wave": np.concatenate(chunks),
+        return {"mel": mel, "wave": vocoder.render(mel, None), "stream_wave": np.concatenate(chunks),
                 "cost": {"estimator_calls": calls, "estimator_row_frames": row_frames, "seconds": round(seconds, 3),
                          "stream_estimator_calls": stream_calls, "stream_estimator_row_frames": stream_row_frames,
                          "stream_seconds": round(stream_seconds, 3)}}
@@ -135,14 +138,16 @@ def zero_shot_prompt(voice_files: list[Path]) -> FlowPrompt | None:
 
 def bundle_presets(graph_sets: dict[str, dict[str, Path]], noise: np.ndarray, config: dict[str, Any],
                    prompt: FlowPrompt | None, open_session: Callable[[Path], Any],
-                   log: Callable[[str], None] = lambda _: None) -> tuple[dict[str, dict], dict[str, dict]]:
-    """(manifest.config["presets"], manifest.quality["presets"]): every built-in preset measured on every graph set
-    (fp32 and each target); a preset is offered only if it passed on all of them."""
+                   log: Callable[[str], None] = lambda _: None, vocoder_part: VocoderBuilder = cosyvoice2.vocoder,
+                   candidates: dict[str, Preset] | None = None) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(manifest.config["presets"], manifest.quality["presets"]): every candidate (default: the built-in presets)
+    measured on every graph set (fp32 and each target) with the family's vocoder part; a preset is offered only if
+    it passed on all of them."""
     from cosyedge.device.cosyvoice2.presets import builtin_presets
-    presets = builtin_presets(int(config["n_timesteps"]))
+    presets = candidates or builtin_presets(int(config["n_timesteps"]))
     quality = {}
     for name, graphs in graph_sets.items():
-        quality[name] = measure_presets(presets, graphs, noise, config, prompt, open_session)
+        quality[name] = measure_presets(presets, graphs, noise, config, prompt, open_session, vocoder_part)
         for preset, entry in quality[name].items():
             log(f"preset {preset} on {name}: {entry['metrics']} row-frames x{entry['cost']['relative_row_frames']} "
                 f"(stream x{entry['cost']['stream_relative_row_frames']}) "
@@ -150,3 +155,12 @@ def bundle_presets(graph_sets: dict[str, dict[str, Path]], noise: np.ndarray, co
     offered = {name: preset.to_config() for name, preset in presets.items()
                if all(quality[graphs][name]["passed"] for graphs in quality)}
     return offered, quality
+
+
+def graph_sets(work: Path, targets: dict[str, dict] | None, fp32: dict[str, Path]) -> dict[str, dict[str, Path]]:
+    """The graph files of every built target (`manifest.config["targets"]`), or the fp32 set when none was built:
+    the sets the presets are measured on."""
+    if not targets:
+        return {"fp32": fp32}
+    return {target: {g: work / f"{ref['component']}.{ref['precision']}.onnx" for g, ref in entry["graphs"].items()}
+            for target, entry in targets.items()}

@@ -5,7 +5,9 @@ Two presets:
 * `cosyvoice2-0.5b`: the sizes of CosyVoice2-0.5B (facts sheet A2). Real weights cannot be downloaded here,
   yet export time, bundle size, memory and speed must be measured at full scale.
 * `cosyvoice2-tiny`: the sizes of the golden tiny release (shared/golden/cosyvoice2-tiny), but the modules' own
-  PyTorch initialisation instead of the golden generator's weights. The golden tiny weights are chaotic: its HiFT
+  PyTorch initialisation instead of the golden generator's weights, and the LLM's 32 channels split into 2 query
+  heads and 1 key/value head of 16 (golden: 4 / 2 of 8), the smallest head size ONNX Runtime's GroupQueryAttention
+  runs, so that the cpu targets built from it take the shared key/value cache graph (llm_shared_kv.py). The golden tiny weights are chaotic: its HiFT
   turns a 0.1 % mel change into ~1.6 dB MCD, so every int8 flow / HiFT and every trt-int8 stage misses its
   quality gate and falls back. With the default initialisation every quantized stage of every target passes the
   unchanged gates (gates.THRESHOLDS) by a wide margin (tiny, seed 0: cpu HiFT int8 SNR ~40 dB >= 15, flow int8
@@ -47,8 +49,8 @@ PRESETS = {
         "yaml": {"llm_input_size": "32", "llm_output_size": "32", "attention_heads": "4", "linear_units": "64",
                  "num_blocks": "1", "channels": "[64]", "attention_head_dim": "16", "n_blocks": "1",
                  "num_mid_blocks": "2", "num_heads": "2", "base_channels": "32", "cond_channels": "32"},
-        "qwen": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
-                 "num_key_value_heads": 2, "max_window_layers": 2, "vocab_size": 151936, "rope_theta": 1000000.0,
+        "qwen": {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
+                 "num_key_value_heads": 1, "max_window_layers": 2, "vocab_size": 151936, "rope_theta": 1000000.0,
                  "rms_norm_eps": 1e-06, "tie_word_embeddings": True},
         "llm_decoder_gain": 10.0,
     },
@@ -66,13 +68,13 @@ def _sized_yaml(text: str, sizes: dict[str, str]) -> str:
     return text
 
 
-def write_random_release(preset: str, template: Path, out: Path, seed: int = 0) -> Path:
-    """Write `out` as an official-layout release of `preset` size with seeded random weights (float32, like a real
-    release): the modules' default PyTorch initialisation, the speech-token head times the preset's
-    `llm_decoder_gain` (1 if absent)."""
-    if preset not in PRESETS:
+def write_random_release(preset: str | dict, template: Path, out: Path, seed: int = 0) -> Path:
+    """Write `out` as an official-layout release of `preset` size (a PRESETS name, or a spec dict of the same form)
+    with seeded random weights (float32, like a real release): the modules' default PyTorch initialisation, the
+    speech-token head times the preset's `llm_decoder_gain` (1 if absent)."""
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ReleaseError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    spec = PRESETS[preset]
+    spec = PRESETS[preset] if isinstance(preset, str) else preset
     return write_sized_release(spec, template, out, YAML_NAME, COPIED, seed, {
         "llm.pt": lambda hparams, qwen: _llm(hparams, qwen, float(spec.get("llm_decoder_gain", 1.0))),
         "flow.pt": lambda hparams, qwen: build_flow_random(hparams),
@@ -81,7 +83,8 @@ def write_random_release(preset: str, template: Path, out: Path, seed: int = 0) 
 
 def write_sized_release(spec: dict, template: Path, out: Path, yaml_name: str, copied: tuple[str, ...], seed: int,
                         builders: dict[str, Callable[[dict, dict], torch.nn.Module]]) -> Path:
-    """The template release re-sized by `spec` ("yaml": yaml key -> value, "qwen": BlankEN config entries), every
+    """The template release re-sized by `spec` ("yaml": yaml key -> value of a key that occurs once; optional
+    "yaml_text": (before, after) text replacements, every occurrence; "qwen": BlankEN config entries), every
     file of `copied` that the template has copied, and each checkpoint of `builders` (file -> module from the
     re-sized hparams and Qwen config) saved from a seeded build. Shared by every CosyVoice family."""
     template, out = Path(template), Path(out)
@@ -92,8 +95,12 @@ def write_sized_release(spec: dict, template: Path, out: Path, yaml_name: str, c
         raise ReleaseError(f"--out {out.name!r} exists and is not an empty directory; nothing was changed: "
                            "choose a new or empty directory")
     (out / "CosyVoice-BlankEN").mkdir(parents=True, exist_ok=True)
-    (out / yaml_name).write_text(_sized_yaml((template / yaml_name).read_text(encoding="utf-8"), spec["yaml"]),
-                                 encoding="utf-8")
+    text = (template / yaml_name).read_text(encoding="utf-8")
+    for before, after in spec.get("yaml_text", ()):  # entries that occur more than once, lists, nested values
+        if before not in text:
+            raise ReleaseError(f"template {yaml_name}: no {before.strip()!r} to replace")
+        text = text.replace(before, after)
+    (out / yaml_name).write_text(_sized_yaml(text, spec["yaml"]), encoding="utf-8")
     qwen = json.loads((template / "CosyVoice-BlankEN/config.json").read_text(encoding="utf-8")) | spec["qwen"]
     (out / "CosyVoice-BlankEN/config.json").write_text(json.dumps(qwen, indent=2) + "\n", encoding="utf-8")
     for rel in copied:

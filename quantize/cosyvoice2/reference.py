@@ -29,8 +29,8 @@ from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
 from cosyedge.device.cosyvoice2.flow import FlowPrompt
 from cosyedge.device.cosyvoice2.frontend import TextFrontend
 from cosyedge.device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
-from cosyedge.device.cosyvoice2.streaming import stream_tokens
-from cosyedge.device.cosyvoice2.vocoder import StreamConfig
+from cosyedge.device.cosyvoice2.streaming import ScheduleConfig, stream_tokens
+from cosyedge.device.cosyvoice2.vocoder import HiftCache, VocoderStream
 from cosyedge.device.cosyvoice2.voices import ModeInputs, Voice
 from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2.bundle import STREAM, _sampling
@@ -81,6 +81,13 @@ class _TorchFlow:
         with self.clock.timed("flow"):
             return self._mel(prompt, tokens, finalize, streaming)
 
+    def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray], preset: object = None,
+             streaming: bool = False) -> list[np.ndarray]:
+        """The runtime's batched `Flow.mels` (the streaming gate solves waiting first chunks together), one official
+        solve per row: the reference has no padded batch."""
+        return [self.mel(prompt, tokens, not streaming, streaming, preset)
+                for prompt, tokens in zip(prompts, token_rows)]
+
     def _mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool) -> np.ndarray:
         mel = self.module.inference(
             torch.as_tensor(np.asarray(tokens, np.int64)).reshape(1, -1),
@@ -97,6 +104,7 @@ class _TorchVocoder:
     module: HiFTGenerator
     samples_per_frame: int
     clock: StageClock
+    cache: HiftCache
 
     def source(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
         shape = (mel.shape[0], mel.shape[2] * self.samples_per_frame, self.module.cfg.nb_harmonics + 1)
@@ -109,9 +117,12 @@ class _TorchVocoder:
         with self.clock.timed("hift"):
             return self.module.decode(torch.as_tensor(mel), torch.as_tensor(source)).numpy()
 
-    def __call__(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
+    def render(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
         mel = np.ascontiguousarray(mel, np.float32)
         return self.decode(mel, self.source(mel, rng))[0]
+
+    def stream(self, rng: np.random.Generator | None) -> VocoderStream:
+        return VocoderStream(self, self.cache, rng)
 
 
 class ReferencePipeline(Backend):
@@ -132,9 +143,9 @@ class ReferencePipeline(Backend):
         self._flow = _TorchFlow(flow, torch.from_numpy(fixed_noise()),
                                 RuntimeFlowConfig(c.token_mel_ratio, c.pre_lookahead_len, N_TIMESTEPS,
                                                   c.inference_cfg_rate), self.clock)
-        self._vocoder = _TorchVocoder(hift, hift.cfg.samples_per_frame, self.clock)
+        self._vocoder = _TorchVocoder(hift, hift.cfg.samples_per_frame, self.clock, HiftCache.from_config(STREAM))
         self._sampling = SamplingConfig.from_config(_sampling(release.hparams))
-        self._stream = StreamConfig.from_config(STREAM)
+        self._stream = ScheduleConfig.from_config({**STREAM, "lookahead": c.pre_lookahead_len})
         voice = release_voices(release)[0]
         self._inputs: ModeInputs = voice.inputs(None, (), c.mel_bins)
         self.sample_rate = int(release.hparams["sample_rate"])
@@ -159,13 +170,13 @@ class ReferencePipeline(Backend):
             for segment in segments:
                 tokens = self._tokens(segment, settings, rng)
                 if stream:
-                    yield from stream_tokens(tokens, self._inputs.flow, self._flow, self._vocoder, self._stream,
-                                             noise_rng)
+                    yield from stream_tokens(tokens, self._inputs.flow, self._flow,  # type: ignore[arg-type]
+                                             self._vocoder.stream(noise_rng), self._stream)
                     continue
                 generated = np.asarray(list(tokens), np.int64)
                 if generated.size:
                     mel = self._flow.mel(self._inputs.flow, generated, finalize=True, streaming=False)
-                    yield self._vocoder(mel, noise_rng)
+                    yield self._vocoder.render(mel, noise_rng)
 
     def _tokens(self, segment: Sequence[int], settings: Settings, rng: np.random.Generator) -> Iterator[int]:
         """Official decoding: prefill, then one position per token; stop ids masked when the length is pinned."""

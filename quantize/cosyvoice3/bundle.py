@@ -18,13 +18,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from cosyedge.device.bundle_writer import BundleWriter, check_out_dir
+from cosyedge.device.cosyvoice3 import family as cosyvoice3
+from cosyedge.device.cosyvoice2.presets import Preset
 from cosyedge.device.cosyvoice3.vocoder import SineNoise
 from cosyedge.quantize.cosyvoice2.bundle import (_mel_config, _sampling, copy_stand_ins, export_stages, provenance,
                                                  write_voices)
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, fixed_noise
 from cosyedge.quantize.cosyvoice3 import export as E
-from cosyedge.quantize.cosyvoice2.gates import GateConfig
+from cosyedge.quantize.cosyvoice2.gates import GateConfig, session
+from cosyedge.quantize.cosyvoice2.llm_align import ALIGN_NAME, alignment_targets, export_alignment, voice_prompts
 from cosyedge.quantize.cosyvoice2.precision import TargetBuild, build_targets
+from cosyedge.quantize.cosyvoice2.preset_report import bundle_presets, graph_sets, zero_shot_prompt
 from cosyedge.quantize.cosyvoice3 import hift_export as HX
 from cosyedge.quantize.cosyvoice3.hift_source import SINE_NOISE_ROWS
 from cosyedge.quantize.cosyvoice3.models import Models, load_models
@@ -36,7 +40,7 @@ log = logging.getLogger(__name__)
 
 FAMILY = "cosyvoice3"
 ONNX_STAND_INS = {"campplus": "campplus.onnx", "speech_tokenizer": "speech_tokenizer_v3.onnx"}
-STREAM = {"hops": [25, 50, 100], "lookahead": 3}
+STREAM = {"hops": [25, 50, 100], "lookahead": 3}   # lookahead: the release's pre_lookahead_len (official rule)
 SILENT_TOKENS = [1, 2, 28, 29, 55, 248, 494, 2241, 2242, 2322, 2323]   # CosyVoice3Model.silent_tokens
 MAX_SILENT_RUN = 5
 
@@ -64,7 +68,8 @@ def _gate_config(models: Models, tables: dict[str, np.ndarray]) -> GateConfig:
 def _build_targets(writer: BundleWriter, targets: Sequence[str], allow_fallback: bool, config: GateConfig,
                    noise_recipe: dict[str, Any]) -> TargetBuild:
     """Every target's graphs from the fp32 components in the writer, each quantized stage gated against fp32."""
-    fp32 = {comp.name: writer.work / comp.file for comp in writer.components if comp.name not in ONNX_STAND_INS}
+    fp32 = {comp.name: writer.work / comp.file for comp in writer.components
+            if comp.name not in (*ONNX_STAND_INS, ALIGN_NAME)}
     gates = Gates3(config, fp32, SineNoise(noise_recipe, config.sample_rate))
     built = build_targets(targets, fp32, writer.work, config, allow_fallback, log=log.info, rules=CV3_RULES,
                           gates=gates)
@@ -73,12 +78,14 @@ def _build_targets(writer: BundleWriter, targets: Sequence[str], allow_fallback:
     return built
 
 
-def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] = (), allow_fallback: bool = False
-                 ) -> Path:
+def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] = (), allow_fallback: bool = False,
+                 candidates: dict[str, Preset] | None = None) -> Path:
     """Build a `cosyvoice3` bundle from an official release directory; returns the bundle path.
 
     fp32 graphs always; each of `targets` (cpu, gpu-fp16, trt-int8) adds the graphs whose stages passed their
-    quality gates against fp32 (a miss raises ReleaseError naming the stage unless `allow_fallback`)."""
+    quality gates against fp32 (a miss raises ReleaseError naming the stage unless `allow_fallback`). The flow
+    presets (`candidates`, default the built-ins) are measured on every graph set with the v3 vocoder and only the
+    passing ones offered, as for CosyVoice2 (quantize/cosyvoice2/preset_report.py)."""
     started = time.perf_counter()
     check_out_dir(Path(out))  # refuse a foreign directory before minutes of export
     models = load_models(model_dir)  # strict loads of every checkpoint first
@@ -102,6 +109,8 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
         voices = write_voices(release, work, work / "tokenizer.json", keep_special_tokens=True)
         for name, rel in voices:
             writer.add_asset(f"voice:{name}", rel)
+        align = export_alignment(lm, work, voice_prompts([work / rel for _, rel in voices]))
+        writer.add_component(ALIGN_NAME, "fp32", align.fp32.name)
         fc = flow.config
         noise_recipe = hift_noise_recipe(hift)
         config = {"speech_token_size": c.speech_token_size, "sos": c.sos, "eos": c.eos, "task_id": c.task_id,
@@ -111,24 +120,37 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                   "token_mel_ratio": fc.token_mel_ratio, "pre_lookahead_len": fc.pre_lookahead_len,
                   "n_timesteps": N_TIMESTEPS, "inference_cfg_rate": fc.inference_cfg_rate,
                   "estimator_chunk": fc.estimator.static_chunk_size,
+                  "flow_sizes": {"estimator_heads": fc.estimator.heads, "estimator_width": fc.estimator.dim,
+                                 "encoder_heads": 0, "encoder_width": fc.pre_lookahead_channels},
                   "mel": _mel_config(release.hparams, YAML_NAME), "hift_upsample": hift.cfg.samples_per_frame,
                   "hift_f0_lookahead": hift.f0_predictor.lookahead,
                   "hift_conv_pre_lookahead": hift.cfg.conv_pre_look_right,
-                  "hift_noise": noise_recipe, "stream": STREAM,
+                  "hift_noise": noise_recipe, "stream": {**STREAM, "lookahead": fc.pre_lookahead_len},
                   "silent_tokens": SILENT_TOKENS, "max_silent_run": MAX_SILENT_RUN,
                   "instruct2_saved_speaker_quirk": True,
-                  "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30}
+                  "speaker_sample_rate": 16000, "tokenizer_sample_rate": 16000, "max_prompt_seconds": 30,
+                  "align": align.config}
         gate_config = _gate_config(models, tables) if targets else None
         del models, lm, flow, hift   # full size: the torch modules go before the gates load their graphs
         built = None
         if gate_config is not None:
             t0 = time.perf_counter()
             built = _build_targets(writer, targets, allow_fallback, gate_config, noise_recipe)
+            built.quality["alignment"] = alignment_targets(align, built.targets, writer.add_component, log.info)
             config["targets"] = built.targets
             timings["targets"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        sets = graph_sets(work, built.targets if built else None,
+                          {c.name: work / c.file for c in writer.components if c.precision == "fp32"})
+        offered, preset_quality = bundle_presets(sets, fixed_noise(), config,
+                                                 zero_shot_prompt([work / rel for _, rel in voices]), session, log.info,
+                                                 vocoder_part=cosyvoice3.vocoder, candidates=candidates)
+        config.update(presets=offered, default_preset="official")
+        timings["presets"] = round(time.perf_counter() - t0, 2)
         writer.write_manifest(family=FAMILY, name=release.root.name, sample_rate=int(release.hparams["sample_rate"]),
                               voices=tuple(name for name, _ in voices), default_precision="fp32", config=config,
-                              quality=built.quality if built else {}, provenance=provenance(release.root, timings))
+                              quality={**(built.quality if built else {}), "presets": preset_quality},
+                              provenance=provenance(release.root, timings))
         path = writer.commit()  # validated by the runtime's own loader first
     log.info("wrote %s in %.1f s", path.name, time.perf_counter() - started)
     return path

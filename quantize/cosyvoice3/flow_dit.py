@@ -57,9 +57,7 @@ class DiTConfig:
                                                  "mu_dim", "spk_dim", "out_channels", "static_chunk_size")})
         except KeyError as exc:
             raise ReleaseError(f"{yaml_name}: flow.decoder.estimator lacks {exc.args[0]!r}") from None
-        if c.heads * c.dim_head != c.dim:
-            # the official q/k/v are dim -> heads*dim_head and RoPE slices dim_head channels of them
-            raise ReleaseError(f"{yaml_name}: estimator heads*dim_head {c.heads * c.dim_head} != dim {c.dim}")
+        # heads * dim_head may differ from dim: the official to_q/k/v map dim -> heads*dim_head and to_out maps back
         return c
 
 

@@ -35,11 +35,15 @@ _BLOCK_GLUE = r"^/estimator/transformer_blocks\.\d+/[A-Za-z]+(_\d+)?$"   # LN, m
 CV3_RULES = GraphRules(
     int8_exclude={**INT8_EXCLUDE,
                   "flow_encoder": (r"^/spk_embed_affine_layer/", r"^/input_embedding/"),
-                  "flow_estimator": (r"/time_embed/", r"^/estimator/proj_out/")},
+                  # the attention products stay float: static QDQ on them would hide the attention from the fusion
+                  # into ORT's MultiHeadAttention (fused_attention below), and int8 attention was slower (issue 12)
+                  "flow_estimator": (r"/time_embed/", r"^/estimator/proj_out/", r"/attn/MatMul(_1)?$")},
     fp32_names={**FP32_NAMES,
                 "flow_encoder": (TOP_LEVEL, r"^/spk_embed_affine_layer/", r"^/input_embedding/"),
                 "flow_estimator": (TOP_LEVEL, r"norm", r"/time_embed/", r"/rotary_embed/", _BLOCK_GLUE,
                                    r"^/estimator/[A-Za-z]+(_\d+)?$", r"^/estimator/proj_out/")},
+    fused_attention=frozenset({"flow_estimator"}),  # the DiT's attention through ORT's MultiHeadAttention (cpu)
+    cpu_fp32=frozenset({"flow_encoder"}),  # the pre-lookahead layer: small, and static QDQ would need calibration
 )
 
 

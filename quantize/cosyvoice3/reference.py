@@ -5,8 +5,8 @@ CosyVoice2's reference (`cosyvoice2.reference.ReferencePipeline`: frontend, KV-c
 sampler, the torch flow behind the runtime's `Flow.mel` signature, the bench protocol) with the v3 parts: the v3
 tokenizer and `<|endofprompt|>` prompts (the first spk2info voice), the silent-token filter between LLM and flow,
 the causal HiFT with its fixed noise (official `inference`, finalize on or off), and the v3 streaming rule (HiFT
-re-run on the accumulated mel, only new samples emitted; the schedule glue is the runtime's
-`device.cosyvoice3.vocoder.stream_tokens`, the compute is torch).
+re-run on the accumulated mel, only new samples emitted; the schedule glue is the runtime's stream loop
+`device.cosyvoice2.streaming.stream_tokens` with `device.cosyvoice3.vocoder.RerunStream`, the compute is torch).
 
 Worker process: `python -m cosyedge.quantize.cosyvoice3.reference --worker RELEASE_DIR --threads 2`.
 """
@@ -25,8 +25,9 @@ from cosyedge.device.bench.clocks import StageClock
 from cosyedge.device.bench.worker import Settings
 from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
 from cosyedge.device.cosyvoice2.sampling import SamplingConfig
+from cosyedge.device.cosyvoice2.streaming import ScheduleConfig, stream_tokens
 from cosyedge.device.cosyvoice3.frontend import SilentFilter, TextFrontend3
-from cosyedge.device.cosyvoice3.vocoder import Stream3Config, stream_tokens
+from cosyedge.device.cosyvoice3.vocoder import RerunStream
 from cosyedge.quantize.cosyvoice2.bundle import _sampling
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, fixed_noise
 from cosyedge.quantize.cosyvoice2.reference import ReferencePipeline, _TorchFlow, release_voices, worker_main
@@ -68,7 +69,7 @@ class ReferencePipeline3(ReferencePipeline):
                                                   c.inference_cfg_rate), self.clock)
         self._vocoder = _TorchVocoder3(models.hift, self.clock)
         self._sampling = SamplingConfig.from_config(_sampling(release.hparams, YAML_NAME))
-        self._stream = Stream3Config.from_config(STREAM)
+        self._stream = ScheduleConfig.from_config({**STREAM, "lookahead": c.pre_lookahead_len})
         self._inputs = release_voices(release)[0].inputs(None, (), c.mel_bins)
         self.sample_rate = int(release.hparams["sample_rate"])
         self.samples_per_token = models.hift.cfg.samples_per_frame * c.token_mel_ratio
@@ -80,12 +81,12 @@ class ReferencePipeline3(ReferencePipeline):
         with torch.inference_mode():  # grad mode is per thread: set it in the request's own thread
             for segment in segments:
                 tokens = self._tokens(segment, settings, rng)
-                keep = SilentFilter(frozenset(SILENT_TOKENS), MAX_SILENT_RUN).keep
+                silent = SilentFilter(frozenset(SILENT_TOKENS), MAX_SILENT_RUN)
                 if stream:
-                    yield from stream_tokens(tokens, keep, self._inputs.flow, self._flow,  # type: ignore[arg-type]
-                                             self._vocoder, self._stream)  # type: ignore[arg-type]
+                    yield from stream_tokens(tokens, self._inputs.flow, self._flow,  # type: ignore[arg-type]
+                                             RerunStream(self._vocoder), self._stream, silent)
                     continue
-                generated = np.asarray([t for t in tokens if keep(t)], np.int64)
+                generated = np.asarray([t for t in tokens if silent.keep(t)], np.int64)
                 if generated.size:
                     mel = self._flow.mel(self._inputs.flow, generated, finalize=True, streaming=False)
                     yield self._vocoder.run(mel, finalize=True)

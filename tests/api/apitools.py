@@ -20,7 +20,8 @@ from typing import Any, Iterator
 import numpy as np
 from cosyedge.api.app import create_app
 from cosyedge.api.config import ServiceConfig
-from cosyedge.api.server import make_server
+from cosyedge.api.bench.harness import make_server
+from cosyedge.device.audio import ffmpeg_binary
 from cosyedge.device.engine import Engine
 from cosyedge.device.options import Segment
 from cosyedge.device.pipeline import Pipeline
@@ -31,13 +32,16 @@ _FAIL, _HOLD = "\x00fail\x00", "\x00hold\x00"
 
 
 class FaultPipeline(Pipeline):
-    """The real pipeline; segments of text with FAIL_WORD raise in render, with HOLD_WORD wait for `release`."""
+    """The real pipeline; segments of text with FAIL_WORD raise in render, with HOLD_WORD wait for `release`
+    (the first `free` of them pass without waiting)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.sample_rate = inner.sample_rate
         self.holding = threading.Event()
         self.release = threading.Event()
+        self.free = 0
+        self._lock = threading.Lock()
 
     def voices(self) -> list[str]:
         return self.inner.voices()
@@ -50,9 +54,12 @@ class FaultPipeline(Pipeline):
         if any(u.text.startswith(_FAIL) for u in segments):
             raise RuntimeError("injected failure in render")
         if any(u.text.startswith(_HOLD) for u in segments):
-            self.holding.set()
-            if not self.release.wait(60):
-                raise RuntimeError("test never released the held render")
+            with self._lock:
+                free, self.free = self.free > 0, max(0, self.free - 1)
+            if not free:
+                self.holding.set()
+                if not self.release.wait(60):
+                    raise RuntimeError("test never released the held render")
         return self.inner.synthesize(segments, request)
 
     def stream(self, segment, request):
@@ -176,8 +183,20 @@ def api_config(tmp: Path, **changes: Any) -> ServiceConfig:
 
 def decode(audio: bytes, sample_rate: int = 22050) -> np.ndarray:
     """Any container ffmpeg can read -> mono int16 samples at `sample_rate` (proves it plays)."""
-    result = subprocess.run(["ffmpeg", "-hide_banner", "-loglevel", "error", "-i", "pipe:0", "-f", "s16le",
+    result = subprocess.run([ffmpeg_binary(), "-hide_banner", "-loglevel", "error", "-i", "pipe:0", "-f", "s16le",
                              "-ac", "1", "-ar", str(sample_rate), "pipe:1"], input=audio, capture_output=True,
                             timeout=60, check=False)
     assert result.returncode == 0, result.stderr.decode(errors="replace")[-500:]
     return np.frombuffer(result.stdout, dtype="<i2")
+
+
+def sdk_repeats_hit_the_cache(client, extra_body: dict, voice: str, text: str) -> None:
+    """The OpenAI SDK's extension fields (`extra_body`, sent as top-level JSON keys): the same request twice gives
+    the same bytes, the second from the phrase cache. (The route dropped them: a miss and new audio each time.)"""
+    answers = []
+    for _ in range(2):
+        raw = client.audio.speech.with_raw_response.create(model="tts-1", voice=voice, input=text,
+                                                           response_format="wav", extra_body=extra_body)
+        answers.append((raw.headers["x-cosyedge-cache"], raw.content))
+    assert [hit for hit, _ in answers] == ["miss", "hit"], extra_body
+    assert answers[0][1] == answers[1][1] and len(answers[0][1]) > 10_000

@@ -27,5 +27,6 @@ def fault_pipeline(fault_engine: Engine) -> Iterator[FaultPipeline]:
     pipeline = fault_engine.pipeline
     pipeline.holding.clear()
     pipeline.release.clear()
+    pipeline.free = 0
     yield pipeline
     pipeline.release.set()

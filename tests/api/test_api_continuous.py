@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from apitools import api_config, decode, run_server, streaming_client
-from cosyedge.api.batcher import SynthesisQueue
+from cosyedge.api.admission import Admission
 from cosyedge.api.metrics import Metrics
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
@@ -54,12 +54,15 @@ def test_short_request_finishes_before_a_long_one_already_running(cv2_server):
         return response.status_code
 
     steps = cv2_server.metric("cosyedge_decode_steps")
+    joined = cv2_server.metric("cosyedge_decode_rows_joined")
     with ThreadPoolExecutor(2) as pool:
         long = pool.submit(post, "long", LONG)
         _wait_for(lambda: cv2_server.metric("cosyedge_decode_steps") > steps + 20, "the long request never decoded")
         short = pool.submit(post, "short", SHORT)
         assert (short.result(T), long.result(T)) == (200, 200)
     assert finished == ["short", "long"]
+    # the short request's row joined the long one's running decode batch (it did not wait for its end)
+    assert cv2_server.metric("cosyedge_decode_rows_joined") == joined + 1
     assert cv2_server.metric("cosyedge_decode_rows_per_step_bucket") > 0  # occupancy histogram is exposed
 
 
@@ -113,12 +116,11 @@ def test_requests_beyond_the_in_flight_bound_get_503_with_retry_after(cv2_tiny_b
         assert srv.metric("cosyedge_queue_rejected_total") == 2
 
 
-def test_retry_after_comes_from_the_measured_completions(cv2_tiny_bundle, tmp_path):
-    engine = Engine.load(cv2_tiny_bundle, precision="fp32", warmup=False, state_dir=tmp_path,
-                         sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
-    queue = SynthesisQueue(engine, Metrics(), capacity=4, batch_max=8, timeout=0.0)
-    queue._finished.extend([100.0, 110.0, 120.0])  # two completions in 20 s: 0.1 per second
-    assert queue.retry_after(1) == 10 and queue.retry_after(3) == 30
+def test_retry_after_comes_from_the_measured_completions():
+    admission = Admission(capacity=4, timeout_s=60, metrics=Metrics())
+    assert admission.retry_after(1) == 1  # nothing measured yet
+    admission._finished.extend([100.0, 110.0, 120.0])  # two completions in 20 s: 0.1 per second
+    assert admission.retry_after(1) == 10 and admission.retry_after(3) == 30
 
 
 def test_first_arrival_waits_batch_timeout_for_company(cv2_tiny_bundle, tmp_path):
@@ -131,7 +133,7 @@ def test_first_arrival_waits_batch_timeout_for_company(cv2_tiny_bundle, tmp_path
         prefills = engine.describe()["decode"]["prefill_calls"]
         body = {"text": SHORT, "voice": "tiny_spk_zh", "format": "pcm"}
         first = pool.submit(srv.post, "/v1/tts", body)
-        _wait_for(lambda: srv.service.batcher.depth() == 1, "the first request never queued")
+        _wait_for(lambda: srv.service.door.waiting() == 1, "the first request never queued")
         time.sleep(0.3)  # well inside the 3 s wait: the first request is still waiting for company
         second = pool.submit(srv.post, "/v1/tts", body)
         assert (first.result(T)[0], second.result(T)[0]) == (200, 200)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import requests
 
-from apitools import api_config, assert_concurrent_requests_share_decode_steps, run_server
+from apitools import api_config, assert_concurrent_requests_share_decode_steps, run_server, sdk_repeats_hit_the_cache
+from cosyedge.device.audio import resample
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
 
@@ -91,6 +92,55 @@ def test_bad_voice_uploads(cv2_server, prompt, form, upload, status, code):
     assert "/tmp" not in response.text and "Traceback" not in response.text
 
 
+def _clip(prompt: bytes, gain: float) -> bytes:
+    import io
+
+    import soundfile as sf
+    wav, rate = sf.read(io.BytesIO(prompt), dtype="float32")
+    out = io.BytesIO()
+    sf.write(out, wav * gain, rate, format="WAV")
+    return out.getvalue()
+
+
+def test_concurrent_registrations_of_one_name_one_wins_the_others_get_409(cv2_server, state, prompt):
+    """Issue 21 item 8: 8 parallel uploads of one name gave seven 201 and one 500 (a shared temporary name), and
+    the stored voice could be another client's clip. Now one registration per name at a time: one 201, seven 409,
+    and the stored voice is the winner's clip; nothing else is left in the voice folder."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cosyedge.device.cosyvoice2.voices import Voice
+    from cosyedge.device.voice_store import read_prompt_audio
+    clips = [_clip(prompt, 0.3 + 0.08 * i) for i in range(8)]
+
+    def upload(i: int) -> requests.Response:
+        return requests.post(cv2_server.url + "/v1/audio/voices", data={"name": "contested", "text": TRANSCRIPT},
+                             files={"audio": ("a.wav", clips[i], "audio/wav")}, timeout=T)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(upload, range(8)))
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses == [201] + [409] * 7, [(a.status_code, a.text[:120]) for a in answers]
+    assert {a.json()["error"]["code"] for a in answers if a.status_code == 409} == {"voice_exists"}
+    winner = next(i for i, a in enumerate(answers) if a.status_code == 201)
+    folder = next((state / "voices").iterdir())
+    assert [p.name for p in folder.iterdir()] == ["contested.npz"]  # no partial, no second file
+    stored = Voice.load("contested", folder / "contested.npz")
+    expected = cv2_server.service.engine.pipeline.make_voice("contested", *read_prompt_audio(clips[winner]), TRANSCRIPT)
+    np.testing.assert_array_equal(stored.prompt_mel, expected.prompt_mel)
+
+
+def test_names_no_request_could_select_are_refused_at_registration(cv2_server, prompt):
+    """Issue 21 item 13: "5" and "007" select speaker ids, "alloy" is an OpenAI alias: such a voice could never be
+    used, yet it was registered with 201."""
+    for name in ("5", "007", "alloy"):
+        response = requests.post(cv2_server.url + "/v1/audio/voices", data={"name": name, "text": TRANSCRIPT},
+                                 files={"audio": ("a.wav", prompt, "audio/wav")}, timeout=T)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "voice_name_reserved", name
+    names = [v["name"] for v in requests.get(cv2_server.url + "/v1/audio/voices", timeout=T).json()["voices"]]
+    assert not {"5", "007", "alloy"} & set(names)
+    assert requests.post(cv2_server.url + "/v1/audio/voices", data={"name": "v5", "text": TRANSCRIPT},
+                         files={"audio": ("a.wav", prompt, "audio/wav")}, timeout=T).status_code == 201
+
+
 def test_voice_upload_needs_multipart(cv2_server):
     response = requests.post(cv2_server.url + "/v1/audio/voices", json={"name": "x"}, timeout=T)
     assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type"
@@ -114,6 +164,13 @@ def test_modes_and_streaming(cv2_tiny_bundle, cv2_server, state):
     direct = np.concatenate(list(engine.stream(TEXT, voice="tiny_spk_zh", sampling="greedy", deterministic=True)))
     assert streamed.size == direct.size
     np.testing.assert_allclose(streamed, direct, atol=2 / 32767)
+    # sample_rate: the chunks are resampled as they go (the filter's state across chunks): the direct audio at 16 kHz
+    with requests.post(url + "/v1/tts", json={**body, "sample_rate": 16000}, timeout=T, stream=True) as response:
+        assert response.status_code == 200 and response.headers["x-sample-rate"] == "16000"
+        resampled = _pcm(b"".join(response.iter_content(chunk_size=None)))
+    expected = resample(direct, 24000, 16000)
+    assert resampled.size == expected.size
+    np.testing.assert_allclose(resampled, np.clip(expected, -1, 1), atol=3 / 32767)
 
 
 def test_openai_instructions_map_to_instruct2(cv2_server):
@@ -124,6 +181,13 @@ def test_openai_instructions_map_to_instruct2(cv2_server):
     refused = requests.post(cv2_server.url + "/v1/audio/speech", timeout=T, json={
         "model": "tts-1", "input": TEXT, "voice": "tiny_sft_spk", "instructions": "快一点"})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_parameter"
+
+
+@pytest.mark.parametrize("extra_body", [{"seed": 7}, {"deterministic": True}])
+def test_openai_sdk_extension_fields_are_honoured(cv2_server, extra_body):
+    import openai
+    client = openai.OpenAI(base_url=cv2_server.url + "/v1", api_key="local", max_retries=0, timeout=T)
+    sdk_repeats_hit_the_cache(client, extra_body, "tiny_spk_zh", TEXT)
 
 
 def test_negative_seed_is_refused_before_the_queue(cv2_server, state):

@@ -7,6 +7,8 @@ import json
 import pytest
 
 from apitools import api_config, decode, run_server
+from cosyedge.device.request import BATCH, SPEECH as SPEECH_DOOR, TTS
+from requesttools import DEFAULTS, HOSTILE, case_id, wire
 
 SPEECH = "/v1/audio/speech"
 OK = {"model": "tts-1", "input": "Hello there.", "voice": "alloy", "response_format": "wav"}
@@ -49,6 +51,28 @@ def test_bad_input(server, path, body, headers, status, code):
     got, _, raw = server.post(path, body, headers=headers)
     assert got == status, raw[:300]
     assert _error(status, raw)["code"] == code
+
+
+ROUTES = {SPEECH: (SPEECH_DOOR, {"input": "Hi."}), "/v1/tts": (TTS, {"text": "Hi."}),
+          "/v1/tts/batch": (BATCH, {"texts": ["Hi."]})}
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=case_id)
+def test_hostile_fields_get_the_same_code_on_every_route(server, case):
+    """The request declaration's table of hostile values (tests/requesttools.py): one code per value, on the three
+    synthesis routes here, on the WebSocket (test_websocket.py), Wyoming (test_wyoming.py) and the CLI."""
+    fields, code = case
+    for path, (door, base) in ROUTES.items():
+        status, _, raw = server.post(path, {**base, **wire(fields, door)})
+        assert (status, _error(status, raw)["code"]) == (400, code), (path, raw[:300])
+
+
+def test_empty_strings_and_nulls_are_the_defaults_on_every_route(server):
+    for path, (door, base) in ROUTES.items():
+        for fields in DEFAULTS:
+            status, _, raw = server.post(path, {**base, **wire(fields, door), "format" if door != SPEECH_DOOR
+                                                else "response_format": "pcm"})
+            assert status == 200, (path, fields, raw[:300])
 
 
 def test_wrong_method_is_405_json(server):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from apitools import api_config, decode, run_server
+from apitools import api_config, decode, run_server, sdk_repeats_hit_the_cache
+from cosyedge.api.bench.harness import ServiceProcess
 
 openai = pytest.importorskip("openai", reason="pip install openai (the test extra) to run the SDK tests")
 
@@ -61,6 +62,26 @@ def test_sdk_streaming_response_without_stream_flag(client):
                                                              response_format="mp3") as response:
         audio = response.read()
     assert 2.0 < _seconds(audio) < 8.0
+
+
+@pytest.mark.parametrize("extra_body", [{"deterministic": True}, {"seed": 7}])
+def test_sdk_extra_body_deterministic_is_honoured(server, extra_body):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="not-needed-locally", max_retries=0, timeout=60)
+    sdk_repeats_hit_the_cache(client, extra_body, "alloy", TEXT)
+
+
+@pytest.mark.parametrize("bundle, voice, text", [("default_bundle_path", "alloy", TEXT),
+                                               ("cv2_tiny_bundle", "tiny_spk_zh", "收到好友从远方寄来的生日礼物。")])
+def test_sdk_extension_fields_through_cosyedge_serve(request, cosyedge_home, bundle, voice, text):
+    """Issue 20's acceptance on the service a kiosk runs (`cosyedge serve`: gunicorn and its front worker, the
+    phrase cache on disk), for the default voice and the tiny CosyVoice2 bundle: `extra_body` deterministic and
+    seed each give the same bytes twice, the repeat from the cache."""
+    env = {"COSYEDGE_HOME": str(cosyedge_home), "COSYEDGE_PROVIDERS": "cpu", "COSYEDGE_THREADS": "1"}
+    with ServiceProcess(bundle=str(request.getfixturevalue(bundle)), env=env) as service:
+        client = openai.OpenAI(base_url=service.url + "/v1", api_key="not-needed-locally", max_retries=0,
+                               timeout=120)
+        for extra_body in ({"deterministic": True}, {"seed": 7}):
+            sdk_repeats_hit_the_cache(client, extra_body, voice, text)
 
 
 def test_sdk_unknown_voice_raises_bad_request(client):

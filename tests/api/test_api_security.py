@@ -24,7 +24,8 @@ from cosyedge.api.app import create_app
 from cosyedge.api.config import ConfigError, ServiceConfig, load_config
 from cosyedge.api.openapi import PUBLIC_PATHS
 from cosyedge.api.security import SlowRequests
-from cosyedge.api.server import MAX_HEADER_BYTES, check_bind, is_loopback
+from cosyedge.api.bench.harness import MAX_HEADER_BYTES
+from cosyedge.api.security import check_bind, is_loopback
 
 KEY = "k3y-" + hashlib.sha256(b"cosyedge test key").hexdigest()[:28]  # 32 printable characters
 WRONG = "k3y-" + "0" * 28

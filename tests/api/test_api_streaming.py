@@ -1,11 +1,13 @@
 """Streaming: audio leaves sentence by sentence; a client killed mid-response stops the work for it."""
 from __future__ import annotations
 
+import base64
+import json
 import time
 
 import numpy as np
 
-from apitools import decode, streaming_client
+from apitools import api_config, decode, run_server, streaming_client
 
 SENTENCES = 30
 LONG_TEXT = " ".join(f"This is sentence number {i}, spoken to nobody." for i in range(SENTENCES))
@@ -26,6 +28,32 @@ def test_killed_stream_client_stops_its_work(server):
     assert produced < 0.25 * SENTENCES * 3.0  # ~3 s per sentence: far less than the whole text was made
 
 
+def _wait_for(condition, what: str, bound: float = 30) -> None:
+    end = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+def test_a_client_leaving_between_chunks_is_noticed_by_the_probe(fault_engine, fault_pipeline, tmp_path):
+    """The 20 ms disconnect probe: the stream's second sentence is held in the engine, so no chunk is being written
+    when the client leaves; the server notices while it is still held (a failed write would come only after) and
+    renders nothing more for it."""
+    fault_pipeline.free = 1  # the first sentence passes, the second holds
+    text = "Hold the first sentence. " + " ".join(f"Sentence {i} is here." for i in range(6))
+    with run_server(api_config(tmp_path), fault_engine) as srv:
+        with streaming_client(srv.port, {"text": text, "stream": True, "format": "pcm"}) as client:
+            assert client.stdout.readline().strip() == "streaming", client.stderr.read()
+            assert fault_pipeline.holding.wait(30), "the second sentence never started"
+        _wait_for(lambda: srv.metric("cosyedge_stream_disconnects_total") == 1, "the client's leaving went unnoticed")
+        assert fault_pipeline.holding.is_set() and not fault_pipeline.release.is_set()  # still held: the probe saw it
+        fault_pipeline.release.set()
+        _wait_for(lambda: srv.metric("cosyedge_in_flight") == 0, "the stream still holds its place")
+        _wait_for(lambda: srv.service.door.in_flight() == 0, "the engine still has the job")
+        assert srv.metric("cosyedge_stream_segments_skipped_total") == 6  # the held one and the five after it
+        assert srv.metric("cosyedge_batches_total") == 1 + 2  # warm-up, then the two sentences: nothing more
+
+
 def test_streamed_wav_has_unknown_length_header_and_all_sentences(server, default_engine):
     text = "One sentence here. A second sentence there. And a third one."
     status, headers, body = server.post("/v1/tts", {"text": text, "stream": True, "format": "wav",
@@ -43,3 +71,22 @@ def test_streamed_opus_plays(server):
                                                              "response_format": "opus"})
     assert status == 200 and headers["content-type"] == "audio/ogg" and body[:4] == b"OggS"
     assert len(decode(body)) > 1.0 * 22050
+
+
+def test_sample_rate_is_honoured_whole_and_streamed_alike(server):
+    """`sample_rate` on HTTP (it had none): the audio is resampled, the headers say the rate, and a stream
+    (resampled as it goes, across sentences) is sample for sample the whole file; the batch route too."""
+    text = "One sentence here. A second sentence there."
+    body = {"text": text, "format": "pcm", "deterministic": True, "sample_rate": 16000}
+    status, headers, whole = server.post("/v1/tts", body)
+    assert status == 200 and headers["x-sample-rate"] == "16000" and "rate=16000" in headers["content-type"]
+    status, headers, streamed = server.post("/v1/tts", {**body, "stream": True})
+    assert status == 200 and headers["x-sample-rate"] == "16000" and streamed == whole
+    _, _, native = server.post("/v1/tts", {**body, "sample_rate": None})
+    assert abs(len(whole) / 2 / 16000 - len(native) / 2 / 22050) < 0.01  # the same seconds of audio
+    status, _, wav = server.post("/v1/tts", {**body, "format": "wav", "stream": True})
+    assert int.from_bytes(wav[24:28], "little") == 16000 and wav[44:] == whole  # the header's rate
+    status, _, raw = server.post("/v1/tts/batch", {"texts": [text], "format": "pcm", "deterministic": True,
+                                                   "sample_rate": 16000})
+    result = json.loads(raw)
+    assert result["sample_rate"] == 16000 and base64.b64decode(result["results"][0]["audio"]) == whole

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cosyedge.api.bench import format_report, run_api_bench
+from cosyedge.api.bench.api_bench import format_report, run_api_bench
 
 TEXTS = ["Short one.", "A second, slightly longer sentence for the bench."]
 

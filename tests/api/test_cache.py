@@ -64,6 +64,20 @@ def test_hit_after_miss_is_byte_identical_to_a_fresh_answer(default_engine, tmp_
         assert cache.stats()["entries"] == 1
 
 
+def test_a_seeded_request_on_the_default_voice_is_cached(default_engine, tmp_path):
+    """The default voice draws its noise from the seed (device/vits/noise.py): a repeat is a hit, byte-identical to
+    a fresh synthesis of the same seed; another seed is other audio."""
+    with run_server(api_config(tmp_path), default_engine) as srv:
+        body = {"text": PHRASE, "format": "wav", "seed": 7}
+        first, second = _tts(srv, body), _tts(srv, body)
+        assert (first.headers["X-Cosyedge-Cache"], second.headers["X-Cosyedge-Cache"]) == ("miss", "hit")
+        assert second.content == first.content
+        assert open_cache(str(tmp_path), 256).clear() == 1
+        assert _tts(srv, body).content == first.content  # synthesized again: the seed, not the cache, repeats it
+        other = _tts(srv, {**body, "seed": 8})
+        assert other.headers["X-Cosyedge-Cache"] == "miss" and other.content != first.content
+
+
 def test_the_size_cap_evicts_the_least_recently_used(default_engine, tmp_path):
     options = default_engine.options(deterministic=True)
     texts = ["Counter one is free.", "Counter two is free.", "Counter three is free."]

@@ -119,3 +119,69 @@ def test_streaming_equals_the_engine(server, engine) -> None:
 
 def test_concurrent_requests_share_llm_decode_steps(server) -> None:
     assert_concurrent_requests_share_decode_steps(server, TEXT, ["zs_full", "zs_2s"], T)
+
+
+LONG = "，".join(["收到好友从远方寄来的生日礼物", "那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐"] * 2) + "。"  # one sentence
+
+
+def _long_chunks(engine: Engine, voice: str) -> list[np.ndarray]:
+    chunks = list(engine.stream(LONG, voice=voice, sampling="greedy", deterministic=True))
+    assert len(engine.segments(LONG)) == 1 and len(chunks) >= 4   # first hop, then 50, 100, ... tokens: many hops
+    return chunks
+
+
+def test_a_long_request_streams_many_chunks_over_http(server, engine) -> None:
+    """One sentence longer than several hops: the HTTP body arrives piece by piece as the chunks are made (the
+    first before half the request's time: an order of events, not a duration) and equals the engine's chunks."""
+    import time
+    chunks = _long_chunks(engine, "zs_full")
+    body = {"text": LONG, "voice": "zs_full", "format": "pcm", "sampling": "greedy", "deterministic": True,
+            "stream": True}
+    arrivals, raw = [], b""
+    started = time.monotonic()
+    with requests.post(server.url + "/v1/tts", json=body, timeout=T, stream=True) as response:
+        assert response.status_code == 200
+        for piece in response.iter_content(chunk_size=None):
+            arrivals.append(time.monotonic() - started)
+            raw += piece
+    assert len(arrivals) >= 4 and arrivals[0] < arrivals[-1] / 2, arrivals
+    streamed, direct = _pcm(raw), np.concatenate(chunks)
+    assert streamed.size == direct.size
+    np.testing.assert_allclose(streamed, direct, atol=2 / 32767)
+
+
+def test_a_long_request_streams_many_chunks_over_the_websocket(cv3_tiny_bundle: Path, engine, tmp_path: Path) -> None:
+    """The WebSocket protocol (start / text / end; binary audio, `segment`, `done`) against a real `cosyedge serve`
+    on the CosyVoice3 bundle: the long sentence comes back as several binary frames before its `segment` event,
+    and the audio is the engine's."""
+    import json
+
+    import websocket
+
+    from cosyedge.api.bench.harness import ServiceProcess
+    chunks = _long_chunks(engine, "zs_full")
+    env = {"COSYEDGE_HOME": str(tmp_path / "home"), "COSYEDGE_PROVIDERS": "cpu", "COSYEDGE_THREADS": "1"}
+    messages = [{"type": "start", "format": "pcm", "voice": "zs_full", "sampling": "greedy", "deterministic": True},
+                {"type": "text", "text": LONG}, {"type": "end"}]
+    frames, audio, events, close = 0, b"", [], None
+    with ServiceProcess(bundle=str(cv3_tiny_bundle), env=env) as service:
+        ws = websocket.create_connection(service.url.replace("http://", "ws://") + "/v1/audio/stream", timeout=T)
+        try:
+            for message in messages:
+                ws.send(json.dumps(message))
+            while close is None:
+                opcode, data = ws.recv_data()
+                if opcode == websocket.ABNF.OPCODE_BINARY:
+                    frames += not events
+                    audio += data
+                elif opcode == websocket.ABNF.OPCODE_TEXT:
+                    events.append(json.loads(data))
+                elif opcode == websocket.ABNF.OPCODE_CLOSE:
+                    close = int.from_bytes(data[:2], "big")
+        finally:
+            ws.close()
+    assert close == 1000 and [e["type"] for e in events] == ["segment", "done"], events
+    assert frames >= 4   # audio frames before the sentence's `segment` event: chunk by chunk
+    streamed, direct = _pcm(audio), np.concatenate(chunks)
+    assert streamed.size == direct.size
+    np.testing.assert_allclose(streamed, direct, atol=2 / 32767)

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from cosyedge.api.harness import ServiceProcess, http_status
+from cosyedge.api.bench.harness import ServiceProcess, http_status
 from cosyedge.api.journal import CRASHED, read_jsonl
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.voice_store import VoiceStore
+from netns import namespace_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -345,7 +346,7 @@ def test_a_corrupted_registered_voice_refuses_to_start(cv2_tiny_bundle, cosyedge
 _IN_NAMESPACE = r'''
 import json, subprocess, sys
 from pathlib import Path
-from cosyedge.api.harness import ServiceProcess
+from cosyedge.api.bench.harness import ServiceProcess
 import requests
 out = Path(sys.argv[1])
 links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -358,21 +359,8 @@ print(json.dumps({"links": [l.split(":")[1].strip() for l in links.splitlines()]
 '''
 
 
-def _namespace_prefix() -> list[str]:
-    """`unshare -n` (root) or `unshare -rn` (a user namespace); pytest.skip with the reason where neither works."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        pytest.skip("unshare (util-linux) or ip (iproute2) is not installed")
-    reasons = []
-    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
-        probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True, text=True, timeout=30)
-        if probe.returncode == 0:
-            return prefix
-        reasons.append(f"{' '.join(prefix)}: {probe.stderr.strip() or probe.returncode}")
-    pytest.skip("the kernel refuses a network namespace here: " + "; ".join(reasons))
-
-
 def test_cli_and_service_work_with_loopback_only(default_bundle_path, cosyedge_home, tmp_path):
-    prefix = _namespace_prefix()
+    prefix = namespace_prefix()
     script = tmp_path / "inside.py"
     script.write_text(_IN_NAMESPACE)
     env = {**os.environ, "COSYEDGE_HOME": str(cosyedge_home), "COSYEDGE_PROVIDERS": "cpu", "COSYEDGE_THREADS": "1"}

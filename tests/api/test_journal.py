@@ -1,6 +1,7 @@
 """The in-flight journal: what a killed process accepted and never answered ends up in the dead-letter file."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -97,3 +98,26 @@ def test_recovery_leaves_files_it_did_not_name_alone(tmp_path):
     (tmp_path / "inflight-notes.jsonl").write_text('{"event": "accepted", "request_id": "mine"}\n')
     Journal(tmp_path).recover()
     assert (tmp_path / "inflight-notes.jsonl").read_text() == '{"event": "accepted", "request_id": "mine"}\n'
+
+
+def test_compaction_work_is_proportional_to_the_open_entries_not_to_the_file(tmp_path, monkeypatch):
+    """Issue 21 item 7: 3,000 open entries (a 6.7 MB journal) dead-lettered one by one used to rewrite the whole
+    file after every one of them (about 10 GB written); now a rewrite follows at least as many appended bytes."""
+    rewrites: list[int] = []
+    original = Journal._rewrite
+
+    def counted(self, records):
+        rewrites.append(len(records))
+        assert len(rewrites) <= 50, "the journal is rewritten for every closed entry (quadratic compaction)"
+        original(self, records)
+    monkeypatch.setattr(Journal, "_rewrite", counted)
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # 3,000 dead-letter fsyncs: seconds of disk time, not the point
+    journal = Journal(tmp_path)
+    keys = [journal.accepted(f"ws{n}", "/v1/audio/stream", {"text": "x" * 2200}) for n in range(3000)]
+    assert (tmp_path / "inflight.jsonl").stat().st_size > 6_600_000
+    for key in keys:
+        journal.dead_letter("/v1/audio/stream", key, {"text": "x" * 2200}, "the client left")
+    assert len(rewrites) <= 15, rewrites
+    assert sum(rewrites) < 2 * len(keys)  # entries written again, over all rewrites: under twice the file
+    assert journal.open_count() == 0 and (tmp_path / "inflight.jsonl").stat().st_size < (1 << 20) + 100
+    assert len(read_jsonl(tmp_path / "api_dead_letter.jsonl")) == 3000

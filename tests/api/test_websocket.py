@@ -20,10 +20,12 @@ import requests
 import websocket
 
 from cosyedge.api.app import MAX_HEADERS
-from cosyedge.api.bench_ws import measure_ws
-from cosyedge.api.harness import ServiceProcess
+from cosyedge.api.bench.ws_client import measure_ws
+from cosyedge.api.bench.harness import ServiceProcess
 from cosyedge.api.journal import CRASHED, DEAD_LETTER, INFLIGHT, read_jsonl
 from cosyedge.api.server import MAX_HEADER_LINE, peer_closed
+from cosyedge.device.request import WEBSOCKET
+from requesttools import DEFAULTS, HOSTILE, case_id, wire
 
 T = 120  # seconds: a bound for every call, never an expectation
 KEY = "k3y-" + "0123456789abcdef0123456789ab"
@@ -152,17 +154,18 @@ def test_cancel_stops_the_audio(joe):
 
 
 @pytest.mark.parametrize("messages, code", [
-    (["not json {"], "bad_message"),
+    (["not json {"], "invalid_json"),
+    (["[" * 5000 + "]" * 5000], "nesting_too_deep"),  # issue 21 item 11: was internal_error (RecursionError)
+    (['{"type": "start", "seed": 1' + "0" * 50 + "}"], "number_too_large"),
     ([_start(), {"type": "shout"}], "bad_message"),
     ([{"type": "text", "text": "Too early."}], "bad_message"),
     ([_start(), b"\x00\x01"], "bad_message"),
-    ([_start(), {"type": "text", "text": 5}], "bad_message"),
+    ([_start(), {"type": "text", "text": 5}], "invalid_parameter"),
+    ([_start(), {"type": "text", "text": "Hi \ud800."}], "invalid_parameter"),  # item 11: was internal_error
     ([_start(voice="nobody")], "unknown_voice"),
-    ([_start(format="flac")], "unknown_format"),
-    ([_start(format="pcm", sample_rate=8000)], "unsupported_sample_rate"),
-    ([_start(speed=9)], "invalid_parameter"),
+    ([_start(format="midi")], "unknown_format"),
     ([_start(model="gpt-5")], "unknown_model"),
-    ([_start(preset="turbo")], "unknown_preset"),
+    ([_start(stream=True)], "unknown_field"),  # an HTTP field: the WebSocket always streams
     ([_start(), _start()], "bad_message"),
     ([_start(), {"type": "text", "text": "x" * 2001}], "text_too_long"),
 ])
@@ -171,6 +174,29 @@ def test_bad_messages_get_an_error_event_then_a_normal_close(joe, messages, code
     assert reply.close_code == 1000, reply.events
     assert reply.events[-1]["type"] == "error" and reply.events[-1]["code"] == code, reply.events
     assert isinstance(reply.events[-1]["message"], str) and reply.events[-1]["message"]
+
+
+@pytest.mark.parametrize("case", HOSTILE, ids=case_id)
+def test_hostile_start_fields_get_the_codes_http_gives(joe, case):
+    """The request declaration's table of hostile values (tests/requesttools.py), as HTTP answers them
+    (test_api_errors.py::test_hostile_fields_get_the_same_code_on_every_route)."""
+    fields, code = case
+    reply = _talk(joe, [_start(**wire(fields, WEBSOCKET))])
+    assert reply.close_code == 1000 and reply.events[-1]["type"] == "error", reply.events
+    assert reply.events[-1]["code"] == code, reply.events
+
+
+def test_empty_strings_are_defaults_and_astral_text_fits_the_frame_bound(joe):
+    """`preset: ""` is the default as on HTTP (it was refused); 1,500 astral letters (under max_text_len, but 12
+    JSON characters each) are spoken, not closed 1009 (issue 21 item 14); sample_rate is honoured."""
+    bold = "".join(chr(0x1D41A + ord(c) - ord("a")) for c in "hellothere")  # NFKC: "hellothere"
+    text = f"{bold}. " * 150  # 1,500 astral letters, 1,800 characters
+    assert len(text) <= 2000 and len(json.dumps({"type": "text", "text": text})) > 2000 * 4 + 4096  # the old bound
+    reply = _talk(joe, [_start(**{k: v for d in DEFAULTS for k, v in d.items()}, sample_rate=16000),
+                        {"type": "text", "text": text}, {"type": "end"}], cancel_after_audio=True)
+    assert reply.close_code == 1000 and not reply.of("error"), reply.events
+    assert reply.events[-1]["type"] == "done" and reply.audio
+    assert abs(reply.events[-1]["audio_s"] - len(reply.audio) / 2 / 16000) < 0.05  # pcm at the asked rate
 
 
 def test_the_key_and_the_per_client_stream_bound(joe):

@@ -99,8 +99,9 @@ def test_device_worker_times_the_sessions_of_an_injected_factory(cv2_tiny_bundle
     from cosyedge.device.bench.worker import TEXTS, DeviceBackend, Settings, run_batch
     counting = CountingFactory()
     backend = DeviceBackend(cv2_tiny_bundle, "fp32", threads=1, create=counting)
-    assert sorted(counting.created) == sorted([*GRAPH_STAGE, "llm"])  # one session per stage graph, all through
-    counting.runs.clear()                                                 # the factory; ONE for the LLM
+    # one session per stage graph, all through the factory; ONE for the LLM; the word-timing pass only once asked
+    assert sorted(counting.created) == sorted([*(set(GRAPH_STAGE) - {"llm_align"}), "llm"])
+    counting.runs.clear()
     reply = run_batch(backend, [TEXTS[1]], stream=False, settings=Settings(tokens=3, sampling="greedy"))
     assert counting.runs["llm"] >= 3   # the prefill and two decode steps, each timed on its own stage
     assert reply["stage_s"]["llm_prefill"] > 0 and reply["stage_s"]["llm_decode"] > 0
@@ -108,6 +109,9 @@ def test_device_worker_times_the_sessions_of_an_injected_factory(cv2_tiny_bundle
     for graph, stage in GRAPH_STAGE.items():  # every call that reached a session was timed on its stage
         assert (reply["stage_s"][stage] > 0) >= (counting.runs[graph] > 0)
     assert reply["audio_s"] > 0 and reply["decode_steps"] >= 2
+    assert reply["stage_s"]["align"] == 0 and "llm_align" not in counting.created
+    timed = run_batch(backend, [TEXTS[1]], stream=False, settings=Settings(tokens=3, sampling="greedy", words=True))
+    assert "llm_align" in counting.created and timed["stage_s"]["align"] > 0 and timed["audio_s"] == reply["audio_s"]
 
 
 def test_tables_number_the_runs_and_compare_with_the_reference():

@@ -15,8 +15,8 @@ from cosyedge.device.cli import main
 
 RUN_KEYS = {"backend", "bundle", "precision", "preset", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
             "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "stage_rss_mb",
-            "throughput_audio_s_per_s"}
-STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift"}
+            "throughput_audio_s_per_s", "align_cost_pct"}
+STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift", "align"}
 GRAPHS = {"llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
 TOKENS = 30  # > first hop + look-ahead (28): every streaming request yields a chunk before its final one
 TEXTS = 2    # one Chinese, one English
@@ -47,9 +47,24 @@ def test_report_schema_for_device_runs(bench):
         assert run["rtf"] > 0 and run["wall_s"] > 0 and run["throughput_audio_s_per_s"] > 0
         assert run["llm_ms_per_token"] > 0 and run["peak_rss_mb"] > 0
         if run["backend"] == "device":  # resident set after each stage's graph calls, never above the peak
-            assert set(run["stage_rss_mb"]) == STAGES - {"frontend"}
+            assert set(run["stage_rss_mb"]) == STAGES - {"frontend", "align"}   # no word times asked
             assert all(0 < v <= run["peak_rss_mb"] for v in run["stage_rss_mb"].values())
         assert run["stage_s"]["llm_decode"] > 0 and run["stage_s"]["flow"] > 0 and run["stage_s"]["hift"] > 0
+        assert run["stage_s"]["align"] == 0 and run["align_cost_pct"] is None
+
+
+def test_words_report_the_alignment_pass_as_its_own_stage(cv2_tiny_bundle: Path, tmp_path: Path, capsys) -> None:
+    """`--words`: every device run synthesizes with word times; the pass's graph calls are the `align` stage and
+    `align_cost_pct` its share of the rest of the synthesis (a ratio from the same run, not a timed claim)."""
+    code = main(["bench", "--bundle", str(cv2_tiny_bundle), "--concurrency", "1", "--stream", "on,off",
+                 "--tokens", str(TOKENS), "--texts", "1", "--threads", "1", "--words", "--json", str(tmp_path / "words.json")])
+    assert code == 0
+    runs = json.loads((tmp_path / "words.json").read_text(encoding="utf-8"))["runs"]
+    assert {r["stream"] for r in runs} == {True, False}
+    for run in runs:
+        assert run["stage_s"]["align"] > 0 and run["align_cost_pct"] > 0 and "align" in run["stage_rss_mb"]
+        assert run["audio_s"] == pytest.approx(TOKENS * SECONDS_PER_TOKEN, abs=1e-3)  # the same audio as without
+    assert "align_%" in capsys.readouterr().out
 
 
 def test_pinned_tokens_fix_the_audio_length(bench):

@@ -41,8 +41,8 @@ def test_default_bundle_is_valid(default_bundle_path):
     assert "resemblyzer unavailable" in quality["speaker_similarity"] and "speaker_cosine" not in quality["int8"]
     assert manifest.default_precision in quality["default_precision_reason"]
     for comp in manifest.components:
-        assert [t.name for t in comp.inputs] == ["input", "input_lengths", "scales"]
-        assert [t.name for t in comp.outputs] == ["output", "frames"]
+        assert [t.name for t in comp.inputs] == ["input", "input_lengths", "scales", "seed"]
+        assert [t.name for t in comp.outputs] == ["output", "frames", "durations"]
 
 
 def test_missing_bundle_directory(tmp_path):

@@ -1,6 +1,7 @@
 """The `cosyedge` command line, run as a user runs it (a subprocess), on the real default voice."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import soundfile as sf
@@ -148,10 +150,30 @@ def test_synth_batch_csv_with_sample_rate(home, tmp_path):
 
 def test_bench_reports_precisions_and_peer_side_by_side(home, tmp_path):
     report_path = tmp_path / "bench.json"
-    result = cosyedge("bench", "--rounds", "1", "--threads", "1", "--json", str(report_path), env_home=home)
+    other = f"{home / 'bundles' / 'default-joe'}:int8"  # --compare: another bundle (here: the same one) interleaved
+    result = cosyedge("bench", "--rounds", "1", "--threads", "1", "--precisions", "fp32", "--compare", other,
+                      "--json", str(report_path), env_home=home)
     assert result.returncode == 0, result.stderr
     report = json.loads(report_path.read_text())
-    assert set(report["results"]) == {"cosyedge-fp32", "cosyedge-int8", "piper-tts"}
+    assert set(report["results"]) == {"cosyedge-fp32", other, "cosyedge-fp32+words", "piper-tts"}
     for row in report["results"].values():
         assert row["rtf"] > 0 and len(row["sentences"]) == 5
-    assert "TOTAL RTF" in result.stdout
+    words = report["word_times"]
+    assert words["runner"] == "cosyedge-fp32+words" and words["mapping_ms_per_sentence"] > 0  # a cost, not a figure
+    assert "TOTAL RTF" in result.stdout and "word times: cosyedge-fp32+words RTF" in result.stdout
+
+
+def _parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers(child)
+
+
+def test_every_command_has_a_help_page():
+    """`--help` of every command and subcommand renders (a stray % in a help text made `cosyedge bench --help` a
+    traceback)."""
+    from cosyedge.device.cli import build_parser
+    pages = [p.format_help() for p in _parsers(build_parser())]
+    assert len(pages) > 10 and all("usage:" in page for page in pages)

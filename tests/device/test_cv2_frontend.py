@@ -84,3 +84,17 @@ def test_number_spelling_matches_inflect_style():
     assert _number_to_words("1234") == "one thousand, two hundred and thirty-four"
     assert _number_to_words("1000001") == "one million and one"
     assert _spell_out_numbers("room 21b") == "room twenty-oneb"
+
+
+def test_words_are_the_texts_words_each_owning_a_run_of_its_token_ids(frontend: TextFrontend):
+    """Every token belongs to one word, every word has a token: the ranges tile the ids in order; punctuation and
+    a following space stay with their word; each CJK character is a word, except that characters read as one BPE
+    token ("你好", "世界") are one word."""
+    for text, expected in (("Hello, big world. 你好，世界！", ["Hello,", "big", "world.", "你好，", "世界！"]),
+                           ("我们在这里等你好吗", ["我们", "在这里", "等", "你好", "吗"]),
+                           ("  lead spaces  and trail  ", ["lead", "spaces", "and", "trail"])):
+        words = frontend.words(text)
+        assert [w for w, _, _ in words] == expected
+        assert words[0][1] == 0 and words[-1][2] == len(frontend.encode(text))
+        assert all(a[2] == b[1] and a[1] < a[2] for a, b in zip(words, words[1:]))
+    assert frontend.words("") == () and frontend.words("   ") == ()

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from cosyedge.device.cosyvoice2.streaming import stream_tokens
+from cosyedge.device.cosyvoice2.vocoder import VocoderStream
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import InputError
 from cosyedge.device.options import SynthesisOptions
@@ -189,8 +190,8 @@ def test_stream_chunks_match_golden(engine: Engine, vectors: dict, stream_index:
     tokens = golden[f"{case}__tokens"].reshape(-1).tolist()
     seen = [0]
     chunks, consumed = [], []
-    for chunk in stream_tokens(_counted(tokens, seen), prompt, pipeline._flow, recorder, pipeline._stream_config,
-                               None):
+    for chunk in stream_tokens(_counted(tokens, seen), prompt, pipeline._flow,
+                               VocoderStream(recorder, pipeline._vocoder.cache, None), pipeline._schedule):
         chunks.append(chunk)
         consumed.append(seen[0])
     table = stream_index[case]["chunks"]

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from cosyedge.device.cosyvoice2.pipeline import pinned
 from cosyedge.device.cosyvoice2.streaming import ChunkGate
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import Cancelled
 from cosyedge.device.options import BatchLimits
 from cosyedge.device.sessions import SessionConfig
-from schedulertools import assert_first_chunk_goes_first, wait_until
+from schedulertools import assert_first_chunk_goes_first, assert_first_chunks_share_one_flow_call, wait_until
 
 VOICE = "tiny_spk_zh"
 TEXT = "收到好友从远方寄来的生日礼物。"
@@ -45,30 +46,30 @@ def test_gate_gives_the_turn_to_the_fewest_chunks_emitted_then_the_earliest():
 
 def test_a_new_streams_first_chunk_goes_before_a_running_streams_next_chunk(engine: Engine):
     options = engine.options(voice=VOICE, seed=1, sampling="greedy")
-    assert_first_chunk_goes_first(engine, engine.segments(TEXT)[0], replace(options, pin_tokens=300))
+    assert_first_chunk_goes_first(engine, engine.segments(TEXT)[0], pinned(options, 300))
 
 
 
 def test_decoding_waits_while_a_first_chunk_is_in_the_flow(engine: Engine, monkeypatch: pytest.MonkeyPatch):
     """Issue 12 item 4: no decode step starts while a stream's first chunk is in flow + HiFT (at most the step
-    already running ends), and decoding goes on after it. The first chunk's flow is held 0.3 s so that, without
-    the pause, the decode loop (about a millisecond a step here) would run many steps meanwhile."""
+    already running ends), and decoding goes on after it. The first chunk's flow (its `mels` call, ChunkGate.first_mel)
+    is held 0.3 s so that, without the pause, the decode loop (about a millisecond a step here) would run many steps
+    meanwhile."""
     flow, decoder = engine.pipeline._flow, engine.pipeline._decoder
-    real_mel, seen = flow.mel, []
+    real_mels, seen = flow.mels, []
 
-    def held_mel(*args, **kwargs):
+    def held_mels(*args):
         before = decoder.stats()["decode_steps"]
-        if not seen:
-            threading.Event().wait(0.3)
-        mel = real_mel(*args, **kwargs)
+        threading.Event().wait(0.3)
+        mels = real_mels(*args)
         seen.append(decoder.stats()["decode_steps"] - before)
-        return mel
+        return mels
 
-    monkeypatch.setattr(flow, "mel", held_mel)
-    options = replace(engine.options(voice=VOICE, seed=3, sampling="greedy"), pin_tokens=200)
+    monkeypatch.setattr(flow, "mels", held_mels)
+    options = pinned(engine.options(voice=VOICE, seed=3, sampling="greedy"), 200)
     start = decoder.stats()["decode_steps"]
     chunks = list(engine.pipeline.stream(engine.segments(TEXT)[0], options))
-    assert len(chunks) >= 3 and len(seen) == len(chunks)
+    assert len(chunks) >= 3 and len(seen) == 1
     assert seen[0] <= 1, f"{seen[0]} decode steps ran during the first chunk's flow"
     assert decoder.stats()["decode_steps"] - start >= 199
 
@@ -89,10 +90,10 @@ def test_stop_withdraws_a_decoding_row_before_the_next_step(engine: Engine):
     decoder = engine.pipeline._decoder
     options = engine.options(voice=VOICE, seed=3)
     segment = engine.segments(TEXT)[0]
-    pinned = replace(options, pin_tokens=2000)
+    long = pinned(options, 2000)
     before = decoder.stats()
     stop = threading.Event()
-    chunks = engine.pipeline.stream_request(segment, pinned, stop, 8)
+    chunks = engine.pipeline.stream_request(segment, long, stop, 8)
     next(chunks)
     stop.set()
     with pytest.raises(Cancelled):
@@ -102,8 +103,30 @@ def test_stop_withdraws_a_decoding_row_before_the_next_step(engine: Engine):
     assert after["tokens"] - before["tokens"] < 2000 and after["active_rows"] == 0
     # the engine's surface: a stop set by the caller ends the stream quietly, without a final chunk
     stop2 = threading.Event()
-    stream = engine.stream_segments([segment], pinned, stop2)
+    stream = engine.stream_segments([segment], long, stop2)
     next(stream)
     stop2.set()
     assert list(stream) == []
     wait_until(lambda: decoder.stats()["cancelled_rows"] == before["cancelled_rows"] + 2, "the row never left")
+
+
+def test_streaming_interleaves_decoding_with_the_flow(engine: Engine):
+    """Issue 25: when a long stream's first chunk is delivered the decoder has produced a fraction of the
+    utterance's tokens, not all of them (a stream that decodes everything before its first chunk fails here)."""
+    decoder = engine.pipeline._decoder
+    options = pinned(engine.options(voice=VOICE, seed=5, sampling="greedy"), 300)
+    start = decoder.stats()["tokens"]
+    chunks = engine.pipeline.stream(engine.segments(TEXT)[0], options)
+    first = next(chunks)
+    at_first_chunk = decoder.stats()["tokens"] - start
+    rest = list(chunks)
+    assert first.size > 0 and len(rest) >= 2
+    assert decoder.stats()["tokens"] - start == 300
+    assert at_first_chunk < 150, f"{at_first_chunk} of 300 tokens were decoded before the first chunk"
+
+
+def test_first_chunks_waiting_together_share_one_flow_call(engine: Engine, monkeypatch):
+    """Issue 25 item 4: first chunks queued at once share a flow call where their lengths match, audio exact."""
+    first, second = np.random.default_rng(0).integers(0, 6561, (2, 120)).tolist()
+    jobs = [("tiny_spk_zh", first), ("tiny_spk_zh", second), ("tiny_sft_spk", first)]
+    assert_first_chunks_share_one_flow_call(engine, monkeypatch, jobs, [1, 2])

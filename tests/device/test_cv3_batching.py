@@ -5,15 +5,16 @@ and HiFT calls are the ones it makes alone), whether the requests come in one `s
 concurrent streams."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cosyedge.device.cosyvoice2.pipeline import pinned, pinned_tokens
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
-from schedulertools import assert_concurrent_streams_match_alone, record_flow_batches, assert_first_chunk_goes_first, rows_per_step_delta
+from schedulertools import (assert_concurrent_streams_match_alone, assert_first_chunk_goes_first,
+                            assert_first_chunks_share_one_flow_call, record_flow_batches, rows_per_step_delta)
 
 SYSTEM = "You are a helpful assistant.<|endofprompt|>"
 LONG = ("人工智能正在改变我们的生活方式。从智能手机上的语音助手，到自动驾驶汽车，再到医疗诊断系统，这些技术已经深入到社会的各个角"
@@ -37,7 +38,7 @@ def _submit(pipeline, segments, request):
     inputs = pipeline._mode_inputs(request)
     return pipeline._decoder.submit([pipeline._lm_input(s, inputs) for s in segments], [len(s.ids) for s in segments],
                                     request.sampling == "greedy", np.random.default_rng(request.seed),
-                                    request.pin_tokens)
+                                    pinned_tokens(request))
 
 
 def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,4 +72,11 @@ def test_concurrent_streams_get_what_each_gets_alone(engine: Engine) -> None:
 def test_a_new_streams_first_chunk_goes_before_a_running_streams_next_chunk(engine: Engine) -> None:
     """CosyVoice3 streams take turns through the same ChunkGate as CosyVoice2's: first chunks first."""
     options = engine.options(voice="zs_2s", seed=1, sampling="greedy")
-    assert_first_chunk_goes_first(engine, engine.segments(LONG)[0], replace(options, pin_tokens=300))
+    assert_first_chunk_goes_first(engine, engine.segments(LONG)[0], pinned(options, 300))
+
+
+def test_first_chunks_waiting_together_share_one_flow_call(engine: Engine, monkeypatch) -> None:
+    """Issue 25 item 4, as for CosyVoice2: one voice's two first chunks in one flow call, the other voice's alone."""
+    first, second = np.random.default_rng(0).integers(0, 6561, (2, 120)).tolist()
+    jobs = [("zs_full", first), ("zs_full", second), ("zs_2s", first)]
+    assert_first_chunks_share_one_flow_call(engine, monkeypatch, jobs, [1, 2])

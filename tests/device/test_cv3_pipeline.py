@@ -1,4 +1,4 @@
-"""The torch-free Fun-CosyVoice3 runtime (device/cosyvoice3/pipeline.py) against the official goldens
+"""The torch-free Fun-CosyVoice3 runtime (the CosyVoice pipeline with the parts of device/cosyvoice3/family.py) against the official goldens
 (cosyvoice3-tiny/vectors): the 9 e2e cases greedy and deterministic (tokens exact, waveform abs 2e-4), and the two
 streaming runs (chunk schedule exact, each emitted chunk abs 2e-4). Measured figures: MEASURED (printed with -s)."""
 from __future__ import annotations
@@ -73,7 +73,6 @@ def voice(pipeline):
 
 
 def test_registered_and_described(pipeline) -> None:
-    assert type(pipeline).__name__ == "CosyVoice3Pipeline"
     d = pipeline.describe()
     assert d["family"] == "cosyvoice3" and d["sample_rate"] == 24000 and pipeline.voices() == ["zs_full", "zs_2s"]
 

@@ -23,9 +23,10 @@ def test_ascii_digit_string_is_a_speaker_id(default_engine):
 
 
 @pytest.mark.parametrize("speed", [pytest.param(10**400, id="10**400"), pytest.param(-10**400, id="-10**400"), "1e999",
-                                   float("nan"), float("inf"), "fast", None, [1.0]])
+                                   float("nan"), float("inf"), "fast", "2", True, [1.0]])
 def test_speed_that_is_no_usable_number_is_an_input_error(default_engine, speed):
-    """float(10**400) raises OverflowError, which used to escape as a 500."""
+    """float(10**400) raises OverflowError, which used to escape as a 500; a string or a bool is no number (the
+    request declaration's types, the same on every door). None is the default, as a JSON null is."""
     with pytest.raises(InputError, match="speed"):
         default_engine.options(speed=speed)
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import soundfile as sf
 
 from cosyedge.device.jobs import DEAD_LETTER
 
@@ -33,14 +33,15 @@ def book(tmp_path: Path) -> Path:
 
 
 def test_encoder_failure_is_dead_lettered_and_the_job_finishes(home, book, tmp_path):
-    """mp3 needs ffmpeg: without it on PATH every line's encoder fails; the job records each and ends cleanly."""
-    ffmpeg = shutil.which("ffmpeg")
-    assert ffmpeg, "ffmpeg is a test dependency (.ci/run installs it)"
-    bare = tmp_path / "bin"
-    bare.mkdir()  # a PATH with no ffmpeg or ffprobe
+    """An ffmpeg that fails (here: the one on PATH exits 1) fails every line's encoder; the job records each
+    and ends cleanly."""
+    broken = tmp_path / "bin"
+    broken.mkdir()
+    (broken / "ffmpeg").write_text("#!/bin/sh\nexit 1\n")
+    (broken / "ffmpeg").chmod(0o755)
     out = tmp_path / "out"
     result = cosyedge("synth-batch", str(book), "--out-dir", str(out), "--format", "mp3", "--quiet", home=home,
-                      env={"PATH": str(bare)})
+                      env={"PATH": f"{broken}:{os.environ['PATH']}"})
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])
@@ -49,10 +50,41 @@ def test_encoder_failure_is_dead_lettered_and_the_job_finishes(home, book, tmp_p
     assert [d["id"] for d in dead] == ["000001", "000002", "000003"] and all(d["error"] for d in dead)
     assert not list(out.glob("*.mp3")) and not list(out.glob(".*.partial"))
 
-    # With ffmpeg back, the rerun makes exactly the failed lines.
+    # With a working ffmpeg back, the rerun makes exactly the failed lines.
     result = cosyedge("synth-batch", str(book), "--out-dir", str(out), "--format", "mp3", "--quiet", home=home)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["done"] == 3
+
+
+def test_compressed_jobs_encode_and_resume_without_ffmpeg_or_ffprobe_on_path(home, book, tmp_path):
+    """A box with no Debian ffmpeg (issue 26): the encoder runs the imageio-ffmpeg wheel's binary, and the resume
+    check decodes finished outputs with it (pydub's decoder would need ffprobe, which no wheel ships)."""
+    bare = tmp_path / "bin"
+    bare.mkdir()  # a PATH with no ffmpeg or ffprobe
+    out = tmp_path / "out"
+    for fmt in ("mp3", "opus"):
+        result = cosyedge("synth-batch", str(book), "--out-dir", str(out), "--format", fmt, "--quiet", home=home,
+                          env={"PATH": str(bare)})
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "Couldn't find ffmpeg" not in result.stderr  # pydub's import-time warning is not ours to print
+        assert json.loads(result.stdout.strip().splitlines()[-1])["done"] == 3
+        again = cosyedge("synth-batch", str(book), "--out-dir", str(out), "--format", fmt, "--quiet", home=home,
+                         env={"PATH": str(bare)})
+        assert json.loads(again.stdout.strip().splitlines()[-1])["skipped"] == 3
+    for path in (out / "000001.mp3", out / "000001.opus"):
+        info = sf.info(str(path))  # libsndfile, independent of ffmpeg: real mp3 and Ogg Opus
+        assert info.duration > 0.5, path.name
+    assert sf.info(str(out / "000001.opus")).subtype == "OPUS"
+
+
+def test_ffmpeg_binary_is_the_system_one_on_path_else_the_wheels(tmp_path, monkeypatch):
+    from cosyedge.device.audio import ffmpeg_binary
+    monkeypatch.setenv("PATH", str(tmp_path))
+    wheel = Path(ffmpeg_binary())
+    assert "imageio_ffmpeg" in wheel.parts and os.access(wheel, os.X_OK)
+    (tmp_path / "ffmpeg").write_text("#!/bin/sh\n")
+    (tmp_path / "ffmpeg").chmod(0o755)
+    assert ffmpeg_binary() == str(tmp_path / "ffmpeg")
 
 
 def test_a_corrupt_compressed_output_is_made_again(home, book, tmp_path):

@@ -20,7 +20,7 @@ def test_runtime_and_api_work_without_torch(torch_blocked_env, default_bundle_pa
         "import cosyedge.device.engine, cosyedge.device.cli, cosyedge.device.jobs\n"
         "import cosyedge.device.bench.cli, cosyedge.device.bench.cosyvoice, cosyedge.device.bench.worker\n"
         "import cosyedge.device.bench.engine, cosyedge.device.bench.graphs, cosyedge.device.bench.decode\n"
-        "import cosyedge.api.app, cosyedge.api.server, cosyedge.api.batcher\n"
+        "import cosyedge.api.app, cosyedge.api.server, cosyedge.api.admission\n"
         "from cosyedge.device.engine import Engine\n"
         "e = Engine.load()\n"
         "assert e.synthesize('No torch here.', deterministic=True).duration_seconds > 0.5\n"

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -20,75 +18,21 @@ from cosyedge.device.bundle import Bundle
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import ProviderError
 from cosyedge.device.pipeline import SynthesisOptions
-from cosyedge.device.sessions import SessionConfig, create_session
+from cosyedge.device.sessions import SessionConfig
 from cosyedge.device.trt import cli as trt_cli
 from cosyedge.device.trt.device_profiles import PROFILES, device_profile
 from cosyedge.device.trt.engines import GpuIdentity, cache_root
-from cosyedge.device.trt.profiles import graph_profiles
+from trttools import STAGES, Shapes, assert_profiles_cover, record_shapes
 
 GOLDEN = Path(__file__).resolve().parents[2].parent / "shared" / "golden" / "cosyvoice2-tiny" / "vectors"
 CASES = json.loads((GOLDEN / "index.json").read_text(encoding="utf-8"))["e2e"] if (GOLDEN / "index.json").is_file() else []
-STAGES = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
-class _Recording:
-    """An ORT session that records the shape of every input it is fed (run and IO binding alike)."""
-
-    def __init__(self, session: ort.InferenceSession, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
-        self._session = session
-        self._shapes = shapes
-
-    def run(self, outputs, feeds, *args):
-        self._shapes.extend((name, tuple(np.shape(value))) for name, value in feeds.items())
-        return self._session.run(outputs, feeds, *args)
-
-    def run_with_iobinding(self, binding, *args):
-        self._shapes.extend((name, tuple(value.shape())) for name, value in binding.inputs_by_name.items())
-        return self._session.run_with_iobinding(binding.inner, *args)
-
-    def io_binding(self):
-        return _Binding(self._session.io_binding())
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._session, name)
+_RECORDED: dict[str, Shapes] = {}
 
 
-class _Binding:
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.inputs_by_name: dict[str, Any] = {}
-
-    def bind_cpu_input(self, name, array):
-        self.inputs_by_name[name] = ort.OrtValue.ortvalue_from_numpy(array)
-        return self.inner.bind_cpu_input(name, array)
-
-    def bind_ortvalue_input(self, name, value):
-        self.inputs_by_name[name] = value
-        return self.inner.bind_ortvalue_input(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-_RECORDED: dict[str, dict[str, set]] = {}
-
-
-def _fed_shapes(bundle_path: Path, profile_name: str, tmp_path: Path) -> dict[str, set[tuple[str, tuple[int, ...]]]]:
-    """graph name -> (input, shape) pairs fed during the golden e2e cases (render and stream) and the golden token
-    streams, with the runtime limited as it is under TensorRT on that device (rows, frames)."""
-    if profile_name in _RECORDED:
-        return _RECORDED[profile_name]
-    from cosyedge.device.trt.providers import TrtSessionOptions
-    recorded: dict[str, list] = defaultdict(list)
-    bundle = Bundle.load(bundle_path, verify=False)
-    by_file = {bundle.path(c.file): c.name for c in bundle.manifest.components}
-
-    def factory(path: Path, config: SessionConfig):
-        return _Recording(create_session(path, config), recorded[by_file[Path(path).resolve()]])
-
-    trt = TrtSessionOptions(device_profile(profile_name), tmp_path, GpuIdentity("Orin", "8.7", "10.3.0", "x"))
-    engine = Engine.load(bundle_path, precision="fp32", warmup=False,
-                         sessions=SessionConfig(providers=("cpu",), intra_op_threads=1, session_factory=factory, trt=trt))
+def _golden_runs(engine: Engine) -> None:
+    """The golden e2e cases (render and stream) and the golden token streams."""
     for case in CASES:
         options = {"voice": case["sft_spk_id"] or "tiny_spk_zh", "mode": case["mode"], "speed": case["speed"],
                    "sampling": "greedy", "deterministic": True}
@@ -100,7 +44,12 @@ def _fed_shapes(bundle_path: Path, profile_name: str, tmp_path: Path) -> dict[st
         for case, voice in (("stream_zero_shot", "tiny_spk_zh"), ("stream_sft", "tiny_sft_spk")):
             tokens = golden[f"{case}__tokens"].reshape(-1).tolist()
             list(engine.pipeline.stream_tokens(tokens, SynthesisOptions(voice=voice, deterministic=True)))
-    _RECORDED[profile_name] = {graph: set(shapes) for graph, shapes in recorded.items()}
+
+
+def _fed_shapes(bundle_path: Path, profile_name: str, tmp_path: Path) -> Shapes:
+    """graph name -> (input, shape) pairs fed during the golden runs under that device profile's limits."""
+    if profile_name not in _RECORDED:
+        _RECORDED[profile_name] = record_shapes(bundle_path, "fp32", profile_name, tmp_path, _golden_runs)
     return _RECORDED[profile_name]
 
 
@@ -117,21 +66,7 @@ def test_the_recording_saw_every_stage(cv2_tiny_bundle: Path, tmp_path: Path) ->
 
 @pytest.mark.parametrize("profile_name", list(PROFILES))
 def test_profiles_cover_every_shape_the_runtime_feeds(cv2_tiny_bundle: Path, profile_name: str, tmp_path: Path) -> None:
-    fed_shapes = _fed_shapes(cv2_tiny_bundle, profile_name, tmp_path)
-    bundle = Bundle.load(cv2_tiny_bundle, verify=False)
-    profiles = graph_profiles(bundle, "fp32", device_profile(profile_name))
-    assert set(profiles) == set(STAGES)  # CAM++ and the speech tokenizer run on the CPU provider
-    specs = {graph: {s.name: s for s in bundle.selected("fp32")[graph].inputs} for graph in STAGES}
-    for graph in STAGES:
-        for name, shape in fed_shapes[graph]:
-            spec = specs[graph][name]
-            if all(isinstance(d, int) for d in spec.shape):
-                assert shape == tuple(spec.shape), (graph, name, shape)
-                continue
-            entry = profiles[graph].input(name)
-            assert entry is not None and entry.covers(shape), (graph, name, shape, entry)
-        for entry in profiles[graph].inputs:  # min <= opt <= max everywhere
-            assert all(lo <= opt <= hi for lo, opt, hi in zip(entry.min, entry.opt, entry.max)), entry
+    assert_profiles_cover(cv2_tiny_bundle, "fp32", profile_name, _fed_shapes(cv2_tiny_bundle, profile_name, tmp_path))
 
 
 def test_cache_keys_follow_gpu_compute_capability_and_tensorrt(tmp_path: Path) -> None:
@@ -159,7 +94,7 @@ def test_dry_run_json_is_valid_and_complete(cv2_tiny_bundle: Path, capsys, profi
     assert code == 0
     plan = json.loads(out)
     assert plan["device_profile"]["name"] == profile_name and set(plan["graphs"]) == set(STAGES)
-    assert plan["cpu_graphs"] == ["campplus", "speech_tokenizer"]
+    assert plan["cpu_graphs"] == ["campplus", "llm_align", "speech_tokenizer"]
     bundle = Bundle.load(cv2_tiny_bundle, verify=False)
     for graph, entry in plan["graphs"].items():
         options = entry["provider_options"]

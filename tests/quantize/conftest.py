@@ -1,8 +1,10 @@
 """Fixtures of the build-host tests: torch on one thread (the machine is shared), the tiny official releases."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import onnxruntime as ort
 import pytest
 import torch
 
@@ -28,3 +30,18 @@ def release(golden_dir: Path) -> Release:
 def cv3_release(cv3_tiny_dir: Path) -> Release3:
     """The tiny random-weight Fun-CosyVoice3 release, opened once per module."""
     return open_release(cv3_tiny_dir)
+
+
+@pytest.fixture()
+def opened(monkeypatch) -> list[Path]:
+    """Every graph file an ONNX Runtime session is created from while the test runs."""
+    paths: list[Path] = []
+
+    class Recorded(ort.InferenceSession):
+        def __init__(self, path_or_bytes, *args, **kwargs):
+            paths.append(Path(path_or_bytes).resolve() if isinstance(path_or_bytes, (str, os.PathLike))
+                         else Path("<bytes>"))
+            super().__init__(path_or_bytes, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", Recorded)
+    return paths

@@ -20,7 +20,7 @@ from cosyedge.quantize.cosyvoice2.bundle import write_bundle
 from cosyedge.quantize.cosyvoice2.random_init import _sized_yaml, PRESETS
 from cosyedge.quantize.cosyvoice2.release import read_yaml
 
-GRAPHS = {"llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder", "campplus",
+GRAPHS = {"llm", "llm_align", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder", "campplus",
           "speech_tokenizer"}
 
 
@@ -134,6 +134,7 @@ def test_bench_graphs_reports_every_stage(tiny_release, tmp_path):
     assert set(report["stage_s"]) == {"llm", "flow", "hift"} and report["peak_rss_mb"] > 0
     estimator = report["estimator"]  # arithmetic counted from the graph, achieved rate beside the GEMM ceiling
     assert {"MatMul", "Conv"} <= set(estimator["macs_by_op"]) and estimator["mac_per_frame"] > 0
+    assert {"MatMul", "Softmax", "Conv"} <= set(estimator["ms_by_op"]) and "If" not in estimator["ms_by_op"]
     assert estimator["achieved_gops"] > 0
     assert estimator["gemm_ceiling"]["fp32_gops"] > 0 and estimator["gemm_ceiling"]["int8_dynamic_gops"] > 0
 

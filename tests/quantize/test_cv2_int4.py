@@ -71,6 +71,9 @@ def test_llm_graphs_hold_packed_4bit_matmulnbits(bundle):
             for n in int8.graph.node if n.op_type == "MatMulNBits"}
         int4_q = {n.name.removesuffix("_nbits4"): numpy_helper.to_array(inits[n.input[1]]).nbytes for n in nbits}
         assert int4_q.keys() == int8_q.keys() and all(2 * int4_q[k] == int8_q[k] for k in int4_q), graph
+        # both cpu LLM graphs take the shared key/value cache (head size 16: GroupQueryAttention runs it)
+        for quantized in (model, int8):
+            assert [n.op_type for n in quantized.graph.node].count("GroupQueryAttention") == 2, graph
 
 
 def test_manifest_has_the_int4_gate_report_and_shares_flow_and_hift_with_cpu(bundle):
@@ -93,11 +96,15 @@ def test_manifest_has_the_int4_gate_report_and_shares_flow_and_hift_with_cpu(bun
     assert len(files) == len(set(files))
 
 
-def test_engine_loads_the_int4_graphs_and_synthesizes(bundle):
+def test_engine_loads_the_int4_graphs_and_synthesizes(bundle, opened):
     from cosyedge.device.engine import Engine
     from cosyedge.device.sessions import SessionConfig
     engine = Engine.load(bundle.root, target="cpu-int4", warmup=False,
                          sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
+    # the sessions were made from the int4 LLM file, never the int8 or fp32 one (a label alone proves nothing)
+    llm_files = {p: bundle.path(bundle.component("llm", p).file).resolve() for p in ("int4", "int8", "fp32")}
+    assert llm_files["int4"] in opened and not {llm_files["int8"], llm_files["fp32"]} & set(opened)
+    assert any(n.op_type == "GroupQueryAttention" for n in onnx.load(str(llm_files["int4"])).graph.node)
     described = engine.pipeline.describe()["precision"]
     assert {g: described[g] for g in STAGE_GRAPHS["llm"]} == {g: "int4" for g in STAGE_GRAPHS["llm"]}
     assert described["flow_estimator"] == "int8"
@@ -142,3 +149,29 @@ def test_a_broken_int4_graph_fails_the_gate_and_the_build(bundle, tmp_path, monk
     assert llm["precision"] == "int8" and llm["fallback_from"] == "int4"
     assert [a["passed"] for a in llm["attempts"]] == [False, True]
     assert built.targets["cpu-int4"]["llm_int8"] == precision_targets.CPU_LLM_METHOD
+
+
+def test_auto_takes_cpu_int4_only_where_its_llm_kept_int4(bundle, tmp_path):
+    """On a CPU, `auto` loads the 4-bit target where its own gate kept the LLM at int4; a bundle whose cpu-int4
+    LLM fell back to int8 (the golden tiny release's case) loads `cpu`."""
+    import json
+    import os
+
+    from cosyedge.device.engine import choose_graphs
+    from cosyedge.device.sessions import SessionConfig
+    cpu = SessionConfig(providers=("cpu",), intra_op_threads=1)
+    assert choose_graphs(bundle, "auto", None, cpu) == "cpu-int4"
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    for path in bundle.root.rglob("*"):
+        target = fallback / path.relative_to(bundle.root)
+        if path.is_dir():
+            target.mkdir(exist_ok=True)
+        elif path.name != "manifest.json":
+            os.link(path, target)
+    manifest = json.loads((bundle.root / "manifest.json").read_text())
+    int4 = manifest["config"]["targets"]["cpu-int4"]
+    int4["stages"]["llm"] = "int8"
+    int4["graphs"]["llm"] = {"component": "llm", "precision": "int8"}
+    (fallback / "manifest.json").write_text(json.dumps(manifest))
+    assert choose_graphs(Bundle.load(fallback), "auto", None, cpu) == "cpu"

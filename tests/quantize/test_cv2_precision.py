@@ -22,7 +22,7 @@ from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2 import precision, precision_targets
 from cosyedge.quantize.cosyvoice2.gates import THRESHOLDS, GateConfig, Gates, session
 
-GRAPHS = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+GRAPHS = ("llm", "llm_align", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def _feeds(path: Path, past: int = 5) -> dict[str, np.ndarray]:
     """Small random inputs of the graph's signature (dynamic sizes: batch 1, cache `past` (0: the LLM's prefill
     call, empty caches), 7 new positions, 15 tokens / 24 frames)."""
     rng = np.random.default_rng(0)
-    sizes = {"batch": 1, "past": past, "total": past + 7, "length": 7, "tokens": 15, "frames": 24}
+    sizes = {"batch": 1, "past": past, "total": past + 7, "length": 7, "tokens": 15, "frames": 24, "text": 4}
     feeds = {}
     for value in session(path).get_inputs():
         shape = [d if isinstance(d, int) else sizes.get(d, 24) for d in value.shape]
@@ -61,6 +61,7 @@ def _feeds(path: Path, past: int = 5) -> dict[str, np.ndarray]:
             feeds[value.name] = (np.ones(shape, np.int64) if value.name in ("attention_mask", "finalize")
                                  else np.full(shape, 5, np.int64) if value.name == "position_ids"
                                  else np.zeros(shape, np.int64) if value.name == "streaming"
+                                 else np.arange(shape[0], dtype=np.int64) if value.name == "text_positions"
                                  else rng.integers(0, 100, shape, dtype=np.int64))
         else:
             feeds[value.name] = rng.standard_normal(shape, dtype=np.float32) * 0.1
@@ -70,7 +71,7 @@ def _feeds(path: Path, past: int = 5) -> dict[str, np.ndarray]:
 def test_manifest_lists_each_target_with_its_gate_reports(bundle):
     manifest = bundle.manifest
     targets = manifest.config["targets"]
-    assert set(targets) == set(manifest.quality) - {"presets"} == {"cpu", "gpu-fp16", "trt-int8"}
+    assert set(targets) == set(manifest.quality) - {"presets", "alignment"} == {"cpu", "gpu-fp16", "trt-int8"}
     for target, entry in targets.items():
         assert entry["validated_with"] == "onnxruntime-cpu" and set(entry["graphs"]) == set(GRAPHS)
         for graph, ref in entry["graphs"].items():
@@ -92,6 +93,9 @@ def test_manifest_lists_each_target_with_its_gate_reports(bundle):
         if entry["stages"]["flow"] != "fp32" or entry["stages"]["hift"] != "fp32":
             assert e2e["attempts"][-1]["passed"]
     assert targets["cpu"]["llm_int8"] == precision_targets.CPU_LLM_METHOD
+    alignment = manifest.quality["alignment"]   # the word-timing pass: int8 weights for every target, gated
+    assert set(alignment) == set(targets) and all(a["passed"] for a in alignment.values())
+    assert {targets[t]["graphs"]["llm_align"]["precision"] for t in targets} == {"int8"}
 
 
 def test_gpu_fp16_passes_every_stage_gate(bundle):

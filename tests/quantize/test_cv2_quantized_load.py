@@ -3,14 +3,14 @@ item 8).
 
 On the golden tiny release every int8 flow / HiFT and every trt-int8 stage misses its gate and falls back
 (test_cv2_precision.py), so that bundle never makes the runtime load an int8 flow, an int8 HiFT or a QDQ graph.
-Here the release is `random_init`'s `cosyvoice2-tiny` preset: the golden tiny sizes with the modules' default
-PyTorch initialisation, on which every quantized stage of every target passes the unchanged gates
+Here the release is `random_init`'s `cosyvoice2-tiny` preset: the golden tiny sizes (but 2 query / 1 key-value
+heads of 16 channels, the smallest head GroupQueryAttention runs) with the modules' default PyTorch initialisation, on which every quantized stage of every target passes the unchanged gates
 (gates.THRESHOLDS; no --allow-fallback, nothing overridden). The bundle is built once for the module, in process
 (torch on one thread: tests/quantize/conftest.py); then for each target:
 
-* the manifest puts every stage the target quantizes at int8 (cpu: MatMulNBits LLM, QDQ flow estimator and HiFT
-  decoder; trt-int8: the `trt_*` QDQ graphs), each with a passed gate report and no fallback, and those files hold
-  quantized operators;
+* the manifest puts every stage the target quantizes at int8 (cpu: MatMulNBits LLM with the shared key/value
+  cache (GroupQueryAttention), dynamic int8 flow encoder and estimator (fused attention), QDQ HiFT decoder; trt-int8: the
+  `trt_*` QDQ graphs), each with a passed gate report and no fallback, and those files hold quantized operators;
 * the runtime opens exactly those files (every ONNX Runtime session it creates is recorded) and never the fp32
   graph of a quantized stage; its describe() reports the target's precisions;
 * greedy speech tokens equal fp32's up to the first position where the fp32 choice is not decisive (top-1 margin
@@ -21,12 +21,10 @@ PyTorch initialisation, on which every quantized stage of every target passes th
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from cosyedge.device.bundle import Bundle
@@ -56,17 +54,23 @@ def bundle(gated_release: Path) -> Bundle:
 
 
 def test_tiny_preset_has_the_golden_tiny_sizes(gated_release, golden_dir, release):
-    """Same yaml, Qwen2 config and (weight-norm folded) state shapes as the golden tiny release; other weights."""
+    """Same yaml, Qwen2 config but for the head split, and (weight-norm folded) state shapes as the golden tiny
+    release; other weights."""
     import torch
     from cosyedge.quantize.cosyvoice2.release import Release
     ours = Release.open(gated_release)
-    assert ours.qwen_config == release.qwen_config
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1}       # 16 channels per head
+    assert {k: ours.qwen_config[k] for k in heads} == heads
+    assert ours.qwen_config | {k: release.qwen_config[k] for k in heads} == release.qwen_config
     yaml = "cosyvoice2.yaml"
     assert (gated_release / yaml).read_text() == (golden_dir / "cosyvoice2-tiny" / yaml).read_text()
     for name in ("llm.pt", "flow.pt", "hift.pt"):
         a, b = ours.checkpoint(name), release.checkpoint(name)
         assert {k: tuple(v.shape) for k, v in a.items()} == {k: tuple(v.shape) for k, v in b.items()}, name
         assert all(not torch.equal(a[k], b[k]) for k in a if a[k].numel() > 1 and a[k].std() > 0), name
+
+
+ALIGN_PRECISION = {"cpu": "int8", "trt-int8": "int8"}   # llm_align.ALIGN_PRECISION for every target, after its gate
 
 
 def _expected(target: str) -> dict[str, dict[str, str]]:
@@ -91,26 +95,13 @@ def _load(bundle: Bundle, selection_name: str):
     return Engine.load(bundle.root, sessions=_sessions(), warmup=False, **selection(selection_name))
 
 
-@pytest.fixture()
-def opened(monkeypatch) -> list[Path]:
-    """Every graph file an ONNX Runtime session is created from while the test runs."""
-    paths: list[Path] = []
-
-    class Recorded(ort.InferenceSession):
-        def __init__(self, path_or_bytes, *args, **kwargs):
-            paths.append(Path(path_or_bytes).resolve() if isinstance(path_or_bytes, (str, os.PathLike))
-                         else Path("<bytes>"))
-            super().__init__(path_or_bytes, *args, **kwargs)
-
-    monkeypatch.setattr(ort, "InferenceSession", Recorded)
-    return paths
-
-
 def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
     targets, quality = bundle.manifest.config["targets"], bundle.manifest.quality
     for target in TARGETS:
         assert targets[target]["stages"] == {"llm": "int8", "flow": "int8", "hift": "int8"}, target
-        assert targets[target]["graphs"] == _expected(target), target
+        graphs = dict(targets[target]["graphs"])
+        assert graphs.pop("llm_align") == {"component": "llm_align", "precision": ALIGN_PRECISION[target]}, target
+        assert graphs == _expected(target), target
         for stage in ("llm", "flow", "hift"):
             report = quality[target][stage]
             assert report["precision"] == "int8" and report["fallback_from"] is None, (target, stage)
@@ -122,17 +113,20 @@ def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
         for graph, ref in _quantized(target).items():   # the files themselves are quantized
             model = onnx.load(str(bundle.path(bundle.component(ref["component"], "int8").file)))
             ops = {n.op_type for n in model.graph.node}
-            if target == "cpu" and graph == "llm":
-                assert "MatMulNBits" in ops, (target, graph)
-            elif target == "cpu" and graph == "flow_estimator":  # dynamic int8: the CPU's integer kernels
+            if target == "cpu" and graph == "llm":       # weight-only 8-bit, shared key/value cache
+                assert {"MatMulNBits", "GroupQueryAttention"} <= ops, (target, graph)
+            elif target == "cpu" and graph in ("flow_encoder", "flow_estimator"):  # dynamic int8: integer kernels
                 assert {"MatMulInteger", "DynamicQuantizeLinear"} <= ops, (target, graph)
+                assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)
+                if graph == "flow_estimator":  # attention fused into MultiHeadAttention (flash + biased branch)
+                    assert "If" in ops and "Softmax" not in ops, (target, graph)
                 assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)
             else:
                 assert {"QuantizeLinear", "DequantizeLinear"} <= ops, (target, graph)
                 assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)
             if target == "trt-int8":
                 assert {o.domain for o in model.opset_import} <= {"", "ai.onnx"}, graph   # TensorRT: standard ops
-    assert set(_quantized("cpu")) == {"llm", "flow_estimator", "hift_decoder"}
+    assert set(_quantized("cpu")) == {"llm", "flow_encoder", "flow_estimator", "hift_decoder"}
     assert set(_quantized("trt-int8")) == {"llm", "flow_estimator", "hift_decoder"}
 
 
@@ -179,7 +173,10 @@ def test_fp32_greedy_path_is_mostly_decisive(reference):
 @pytest.mark.parametrize("target", TARGETS)
 def test_runtime_loads_and_runs_the_quantized_graphs(bundle, reference, target, opened):
     engine = _load(bundle, target)
-    graphs = bundle.manifest.config["targets"][target]["graphs"]
+    graphs = dict(bundle.manifest.config["targets"][target]["graphs"])
+    align = graphs.pop("llm_align")   # the word-timing pass: opened on the first request for words, not at load
+    align_file = bundle.path(bundle.component(align["component"], align["precision"]).file).resolve()
+    assert align_file not in opened
     # the runtime created its sessions from the target's files: every quantized graph, never its fp32 original
     files = {g: bundle.path(bundle.component(ref["component"], ref["precision"]).file).resolve()
              for g, ref in graphs.items()}
@@ -189,6 +186,8 @@ def test_runtime_loads_and_runs_the_quantized_graphs(bundle, reference, target, 
         assert bundle.path(bundle.component(graph, "fp32").file).resolve() not in opened, graph
     assert engine.pipeline.describe()["precision"] == {g: ref["precision"] for g, ref in graphs.items()}
     assert {g for g, p in engine.pipeline.describe()["precision"].items() if p == "int8"} == set(_quantized(target))
+    engine.synthesize_words("Hello there.", voice=VOICE, sampling="greedy", deterministic=True)
+    assert align_file in opened
 
     request = engine.options(voice=VOICE, sampling="greedy", deterministic=True)
     segments = engine.segments(TEXT)

@@ -14,7 +14,7 @@ from cosyedge.device.bundle import Bundle
 from cosyedge.device.cosyvoice3.vocoder import SineNoise
 from cosyedge.device.errors import BundleError
 
-GRAPHS = {"llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder", "campplus",
+GRAPHS = {"llm", "llm_align", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder", "campplus",
           "speech_tokenizer"}
 
 

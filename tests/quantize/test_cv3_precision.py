@@ -28,9 +28,19 @@ from cosyedge.quantize.cosyvoice2.precision_targets import CV2_RULES, fp32_islan
 from cosyedge.quantize.cosyvoice2.precision_transforms import to_fp16
 from cosyedge.quantize.cosyvoice3.precision import CV3_RULES
 
-GRAPHS = ("llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+GRAPHS = ("llm", "llm_align", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 TEXT = "收到好友从远方寄来的生日礼物。"
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
+
+
+def _op_types(graph: onnx.GraphProto) -> set[str]:
+    """Op types of a graph and of its subgraphs (the fused attention sits in If branches)."""
+    found = {n.op_type for n in graph.node}
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                found |= _op_types(attr.g)
+    return found
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
@@ -51,7 +61,8 @@ def bundle(cv3_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Bund
 def test_manifest_lists_each_target_with_its_gate_reports(bundle: Bundle) -> None:
     manifest = bundle.manifest
     targets = manifest.config["targets"]
-    assert set(targets) == set(manifest.quality) == set(TARGETS)
+    assert set(targets) == set(manifest.quality) - {"presets", "alignment"} == set(TARGETS)
+    assert set(manifest.quality["presets"]) == set(TARGETS)   # the flow presets measured on every target's graphs
     for target, entry in targets.items():
         assert entry["validated_with"] == "onnxruntime-cpu" and set(entry["graphs"]) == set(GRAPHS)
         for ref in entry["graphs"].values():
@@ -63,6 +74,9 @@ def test_manifest_lists_each_target_with_its_gate_reports(bundle: Bundle) -> Non
     assert targets["gpu-fp16"]["stages"] == {"llm": "fp16", "flow": "fp16", "hift": "fp16"}   # no fallback
     assert targets["cpu"]["stages"]["llm"] == targets["cpu"]["stages"]["flow"] == "int8"
     assert targets["cpu"]["llm_int8"] == "matmul_nbits" and manifest.quality["cpu"]["e2e"]["attempts"][-1]["passed"]
+    estimator = onnx.load(str(bundle.path(bundle.component("flow_estimator", targets["cpu"]["graphs"]["flow_estimator"]
+                                                            ["precision"]).file)))
+    assert _op_types(estimator.graph) >= {"MultiHeadAttention"}, "the cpu DiT's attention is not fused"
     # the one QDQ int8 LLM graph (one activation range over prefill and decode calls) passes its gate on tiny
     assert manifest.quality["trt-int8"]["llm"]["attempts"][0]["passed"]
     assert targets["trt-int8"]["stages"]["llm"] == "int8"
@@ -165,3 +179,13 @@ def test_fp16_graphs_produce_finite_audio(pipelines, cv3_vectors: Path, case: st
     want = np.concatenate(list(pipelines["fp32"].stream_tokens(tokens, request)))
     assert got.shape == want.shape and np.isfinite(got).all()
     assert snr_db(want, got) >= THRESHOLDS["hift"]["snr_db_min"], snr_db(want, got)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_tensorrt_profiles_cover_every_targets_graphs(bundle: Bundle, cv3_vectors: Path, target: str,
+                                                      tmp_path: Path) -> None:
+    """Each target's own graphs (their signatures and the tokens their LLM decodes) under the tightest device
+    profile: every shape fed during the golden end-to-end and streaming runs lies within its TensorRT profile."""
+    from trttools import assert_profiles_cover, cv3_golden_runs, record_shapes
+    fed = record_shapes(bundle.root, target, "orin-nano-8gb", tmp_path, cv3_golden_runs(cv3_vectors))
+    assert_profiles_cover(bundle.root, target, "orin-nano-8gb", fed)

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
 from urllib.parse import urlsplit
 
+from cosyedge.device.errors import InputError
+
 # The workload: short announcements of different lengths, one sentence each.
 SENTENCES = (
     "Your order has been received and will be ready in ten minutes.",
@@ -50,6 +52,18 @@ def _post(host: str, port: int, body: dict) -> tuple[float, float, float]:
         return first_audio, total, (len(first) + len(rest)) / 2 / rate
     finally:
         conn.close()
+
+
+def _address(url: str) -> tuple[str, int]:
+    """(host, port) of `--url` (http://HOST[:PORT])."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or 80
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None:
+        raise InputError(f"cannot reach {url[:80]!r}: --url must look like http://127.0.0.1:8100")
+    return parts.hostname, port
 
 
 def _summary(values: Sequence[float]) -> dict[str, float]:
@@ -116,7 +130,8 @@ def _local_service(bundle: str | None, target: str | None) -> Iterator[tuple[str
     """A service on a free port and its engine (one load, shared with the engine-only measurement)."""
     from cosyedge.api.app import create_app
     from cosyedge.api.config import load_config
-    from cosyedge.api.server import load_engine, make_server
+    from cosyedge.api.bench.harness import make_server
+    from cosyedge.api.service import load_engine
 
     config = load_config(port=0, bundle=bundle, target=target)
     engine = load_engine(config)
@@ -145,10 +160,13 @@ def run_api_bench(url: str | None = None, bundle: str | None = None, target: str
         with _local_service(bundle, target) as (local, engine):
             return run_api_bench(local, bundle, target, concurrency, stream, arrivals, requests, texts, stagger_s,
                                  voice, engine)
-    parts = urlsplit(url)
-    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    host, port = _address(url)
     if _engine is None:  # a running service may be cold; an in-process one is warm (engine load + readiness)
-        _post(host, port, {"text": texts[0], "format": "pcm", **({"voice": voice} if voice else {})})
+        try:
+            _post(host, port, {"text": texts[0], "format": "pcm", **({"voice": voice} if voice else {})})
+        except (OSError, http.client.HTTPException, RuntimeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+            raise InputError(f"cannot reach a cosyedge service at {url[:80]}: {reason[:200]}") from None
     report: dict[str, Any] = {"url": url, "bundle": bundle or "default voice", "target": target,
                               "machine": platform.machine(), "python": platform.python_version(), "stream": stream,
                               "arrivals": arrivals, "texts": len(texts), "requests_per_client": requests}

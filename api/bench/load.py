@@ -3,10 +3,11 @@
 Each client sends, one after the other, OpenAI-style `/v1/audio/speech` and native `/v1/tts`
 requests with short and paragraph texts. A well-behaved client waits for Retry-After on a 503.
 Every request must be answered: 200, or 503 with Retry-After; anything else is counted by kind
-(other statuses, timeouts, dropped connections). The service's RSS is read from /proc before and
-after (and its peak, VmHWM) when the harness started it, or when `--pid` names it.
+(other statuses, timeouts, dropped connections). The service's memory is that of its whole process tree
+(gunicorn arbiter, the engine's worker, its ffmpeg children: `harness.TreeMemory`), sampled throughout
+when the harness started it, or when `--pid` names it (the arbiter, systemd's main PID).
 
-    python -m cosyedge.api.load --clients 64 --seconds 60 [--url URL [--pid PID] | --bundle DIR] [--json out.json]
+    python -m cosyedge.api.bench.load --clients 64 --seconds 60 [--url URL [--pid PID] | --bundle DIR] [--json out.json]
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from cosyedge.api.harness import ServiceProcess, http_status, memory_kib
+from cosyedge.api.bench.harness import ServiceProcess, TreeMemory, add_service_arguments, http_status, kib_to_mb
 
 SHORT = ("Good morning.", "The kettle is on.", "Turn left at the next corner.", "Your order has shipped.")
 PARAGRAPH = ("The old lighthouse stood at the end of the harbour wall. Every evening its keeper climbed the "
@@ -106,7 +107,8 @@ def run_load(url: str, clients: int = 64, seconds: float = 60.0, pid: int | None
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     stats = LoadStats()
-    memory_before = memory_kib(pid) if pid else {}
+    memory = TreeMemory(pid).start() if pid else None
+    before = memory.peak_sum_kib if memory else None
     start_line = threading.Barrier(clients + 1)
     deadline = 0.0
 
@@ -139,7 +141,9 @@ def run_load(url: str, clients: int = 64, seconds: float = 60.0, pid: int | None
     for thread in threads:
         thread.join(seconds + timeout + 30)  # bounded: the last request may start just before the deadline
     wall = time.monotonic() - started
-    memory_after = memory_kib(pid) if pid else {}
+    after = memory.sample() if memory else None
+    if memory:
+        memory.stop()
     total = sum(stats.statuses.values())
     return {
         "url": url, "clients": clients, "seconds": seconds, "wall_s": round(wall, 1), "requests": total,
@@ -152,14 +156,10 @@ def run_load(url: str, clients: int = 64, seconds: float = 60.0, pid: int | None
         "empty_audio": stats.empty_audio, "clients_still_running": sum(t.is_alive() for t in threads),
         "errors": stats.errors,
         "server_pid": pid,
-        "rss_mb_before": _mb(memory_before.get("vmrss")), "rss_mb_after": _mb(memory_after.get("vmrss")),
-        "rss_mb_peak": _mb(memory_after.get("vmhwm")),
+        "rss_mb_before": kib_to_mb(before), "rss_mb_after": kib_to_mb(after),
+        **(memory.figures() if memory else {"rss_mb_peak": None, "processes": None}),
         "readyz_after": http_status(url, "/readyz"),
     }
-
-
-def _mb(kib: int | None) -> float | None:
-    return round(kib / 1024, 1) if kib is not None else None
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -173,29 +173,28 @@ def format_report(report: dict[str, Any]) -> str:
         f"(200s only: p50 {ok['p50']} s, p95 {ok['p95']} s, p99 {ok['p99']} s)",
         f"  timeouts {report['timeouts']}, dropped {report['dropped']}, other answers {report['unanswered']}, "
         f"empty audio {report['empty_audio']}",
-        f"  server RSS before {report['rss_mb_before']} MB, after {report['rss_mb_after']} MB, "
-        f"peak {report['rss_mb_peak']} MB (pid {report['server_pid']}); /readyz after: {report['readyz_after']}",
+        f"  server RSS (process tree of pid {report['server_pid']}, {report['processes']} processes) before "
+        f"{report['rss_mb_before']} MB, after {report['rss_mb_after']} MB, peak {report['rss_mb_peak']} MB; "
+        f"/readyz after: {report['readyz_after']}",
         *(f"  error: {line}" for line in report["errors"][:5]),
     ])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyedge.api.load", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cosyedge.api.bench.load", description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=180.0, help="client timeout per request (s)")
-    parser.add_argument("--url", help="a running service (default: start one on a free loopback port)")
-    parser.add_argument("--pid", type=int, help="with --url: the service's process id, for its RSS")
-    parser.add_argument("--bundle", help="bundle of the service started here (default: the default voice)")
-    parser.add_argument("--json", help="write the figures to this file")
+    add_service_arguments(parser)
     args = parser.parse_args(argv)
     if not 1 <= args.clients <= 1024 or not 0 < args.seconds <= 86400 or not 0 < args.timeout <= 3600:
         parser.error("--clients must be 1-1024, --seconds and --timeout positive")
     if args.url:
         report = run_load(args.url.rstrip("/"), args.clients, args.seconds, args.pid, args.timeout)
     else:
-        with ServiceProcess(bundle=args.bundle) as service:
+        with ServiceProcess(bundle=args.bundle, memory_budget_mb=args.memory_budget_mb or None) as service:
             report = run_load(service.url, args.clients, args.seconds, service.pid, args.timeout)
+            report["exceeded"] = service.guard.exceeded if service.guard else None
     print(format_report(report))
     print(json.dumps({k: v for k, v in report.items() if k != "errors"}))
     if args.json:

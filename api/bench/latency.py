@@ -6,7 +6,7 @@
   byte) and over Wyoming (one-shot `synthesize`, and `synthesize-start`/`-chunk`/`-stop` with the whole text in one
   chunk: time to the first `audio-chunk`), taken in alternation so that both see the same load.
 
-    python -m cosyedge.api.latency [--bundle DIR] [--rounds 20] [--json out.json]
+    python -m cosyedge.api.bench.latency [--bundle DIR] [--rounds 20] [--json out.json]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any
 from wyoming.client import AsyncTcpClient
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop
 
-from cosyedge.api.harness import ServiceProcess, free_port
+from cosyedge.api.bench.harness import ServiceProcess, free_port
 
 PHRASE = ("Please take your ticket and wait until your number is called. "
           "Counter three is now free for the next customer.")
@@ -137,7 +137,7 @@ def format_latency(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyedge.api.latency", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cosyedge.api.bench.latency", description=__doc__.split("\n\n")[0])
     parser.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
     parser.add_argument("--rounds", type=int, default=20, help="cache hits per format")
     parser.add_argument("--stream-rounds", type=int, default=10, help="HTTP / Wyoming first-audio pairs")

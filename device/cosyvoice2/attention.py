@@ -1,0 +1,93 @@
+"""The word-timing pass on ONNX Runtime: the `llm_align` graph (signature and why it is a graph of its own:
+quantize/cosyvoice2/llm_align.py) run teacher-forced over a segment's LLM input and its speech tokens.
+
+Each speech token's row is the attention of the position that CHOSE it (the one before it: the task id or last
+prompt token for the first, then each earlier speech token) on the segment's text tokens, so a row says where in
+the text the model was when it decided what to say next. A segment's pass is one call; a stream's is one call per
+chunk over the new tokens only, with the pass's own key/value cache, so streaming costs what one call costs.
+
+The session is created on first use: an engine that never times words never pays its memory. It runs on the CPU
+provider whatever the engine's (int8 weights; like CAM++ it has no TensorRT profile and no place in a GPU's memory
+plan), with the engine's thread count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from cosyedge.device.sessions import SessionConfig
+
+
+class AttentionPass:
+    """The `llm_align` graph of a bundle, shared by every request (per-request state lives in `SegmentPass`)."""
+
+    def __init__(self, path: Path, sessions: SessionConfig, speech_embedding: Path) -> None:
+        self._path = path
+        self._sessions = dataclasses.replace(sessions, providers=("cpu",), trt=None)
+        self._speech_embedding = np.load(speech_embedding, mmap_mode="r")  # the LLM's table: pages shared, read lazily
+        self._session: Any = None
+        self._lock = threading.Lock()
+
+    def session(self) -> Any:
+        with self._lock:
+            if self._session is None:
+                self._session = self._sessions.create(self._path)
+            return self._session
+
+    def begin(self, lm_input: np.ndarray, text_positions: np.ndarray) -> "SegmentPass":
+        """A new pass over one segment: `lm_input` [1, L, H] as the LLM got it, the positions of its text tokens."""
+        return SegmentPass(self, lm_input, np.asarray(text_positions, np.int64))
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        return np.asarray(self._speech_embedding[np.asarray(tokens, np.int64)], np.float32)
+
+
+class SegmentPass:
+    """One segment's pass (never shared): `extend(tokens)` with all speech tokens known so far computes the rows of
+    the new ones; `attention` is [tokens so far, text tokens]."""
+
+    def __init__(self, owner: AttentionPass, lm_input: np.ndarray, text_positions: np.ndarray) -> None:
+        self._owner = owner
+        self._lm_input = lm_input
+        self._text = text_positions
+        self._cache: tuple[np.ndarray, np.ndarray] | None = None
+        self._rows: list[np.ndarray] = []
+        self.count = 0  # speech tokens with a row
+
+    @property
+    def attention(self) -> np.ndarray:
+        if not self._rows:
+            return np.zeros((0, len(self._text)), np.float32)
+        if len(self._rows) > 1:
+            self._rows = [np.concatenate(self._rows)]
+        return self._rows[0]
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Rows for tokens[count:]: the positions that chose them are fed (lm_input first, then each speech token
+        before the newest), after the cache of earlier calls."""
+        if len(tokens) <= self.count:
+            return
+        session = self._owner.session()
+        if self._cache is None:
+            new = self._owner.embed(tokens[:len(tokens) - 1])
+            embeds = np.concatenate([self._lm_input[0], new.reshape(-1, self._lm_input.shape[2])])[None]
+            depth, _, heads, _, dim = next(i.shape for i in session.get_inputs() if i.name == "past_key")
+            empty = np.zeros((depth, 1, heads, 0, dim), np.float32)
+            past = (empty, empty)
+            skip = self._lm_input.shape[1] - 1  # the prompt's rows before the one that chose the first token
+        else:
+            embeds = self._owner.embed(tokens[self.count - 1:len(tokens) - 1])[None]
+            past, skip = self._cache, 0
+        embeds = np.ascontiguousarray(embeds, np.float32)
+        start, length = past[0].shape[3], embeds.shape[1]
+        attention, key, value = session.run(None, {
+            "inputs_embeds": embeds, "past_key": past[0], "past_value": past[1],
+            "attention_mask": np.ones((1, start + length), np.int64),
+            "position_ids": np.arange(start, start + length, dtype=np.int64)[None], "text_positions": self._text})
+        self._cache = (key, value)
+        self._rows.append(attention[skip:])
+        self.count = len(tokens)

@@ -1,0 +1,141 @@
+"""`cosyedge bundle install | rollback` (issue 26 item 4), the file side: checked before the switch, an atomic
+pointer, the previous bundle kept, only this tool's entries pruned."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from cosyedge.device.bundle import MANIFEST, Bundle
+from cosyedge.device.bundle_store import BundleStore
+from cosyedge.device.errors import BundleError
+
+
+def _rebuilt(source: Path, dest: Path, stamp: str) -> Path:
+    """The default voice's int8 graph alone (a smaller bundle, fewer bytes to hash) under a manifest of another
+    build (another `created`): another bundle hash each time."""
+    manifest = json.loads((source / MANIFEST).read_text())
+    manifest["components"] = [c for c in manifest["components"] if c["precision"] == "int8"]
+    manifest["default_precision"], manifest["provenance"]["created"] = "int8", stamp
+    dest.mkdir()
+    for entry in (*manifest["components"], *manifest["assets"]):
+        shutil.copyfile(source / entry["file"], dest / entry["file"])
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return dest
+
+
+@pytest.fixture()
+def bundles(default_bundle_path: Path, tmp_path: Path) -> list[Path]:
+    return [_rebuilt(default_bundle_path, tmp_path / f"build{i}", f"2026-01-0{i}T00:00:00+00:00") for i in (1, 2, 3)]
+
+
+def bundle_hash(root: Path) -> str:
+    return Bundle.load(root, verify=False).sha256
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() if p.is_file() else os.readlink(p)
+            for p in root.rglob("*") if p.is_file() or p.is_symlink()}
+
+
+def test_install_switches_keeps_the_previous_and_rollback_restores_its_hash(bundles, tmp_path):
+    store = BundleStore(tmp_path / "store")
+    first = store.install(bundles[0], load_check=False)
+    assert first["current_sha256"] == bundle_hash(bundles[0]) and first["previous"] is None
+    second = store.install(bundles[1])  # with the real load check
+    assert second["current_sha256"] == bundle_hash(bundles[1])
+    assert second["previous_sha256"] == bundle_hash(bundles[0])
+    assert (tmp_path / "store" / "current").is_symlink()
+    back = store.rollback()
+    assert back["current_sha256"] == bundle_hash(bundles[0]) and back["previous_sha256"] == bundle_hash(bundles[1])
+    assert bundle_hash(tmp_path / "store" / "current") == bundle_hash(bundles[0])  # what a loader reads
+    assert store.rollback()["current_sha256"] == bundle_hash(bundles[1])  # and forward again
+
+
+def test_a_tar_with_a_top_folder_installs(bundles, tmp_path):
+    tar = tmp_path / "bundle.tar"
+    with tarfile.open(tar, "w") as archive:
+        archive.add(bundles[0], arcname="my-bundle")
+    result = BundleStore(tmp_path / "store").install(tar, load_check=False)
+    assert result["current_sha256"] == bundle_hash(bundles[0])
+
+
+@pytest.mark.parametrize("data_filter", [True, False])
+def test_a_tar_with_a_link_out_is_refused(bundles, tmp_path, monkeypatch, data_filter):
+    """Both ways of unpacking (tarfile's data filter, and by hand where Python is older than 3.11.4)."""
+    if not data_filter:
+        monkeypatch.delattr(tarfile, "data_filter")
+    tar = tmp_path / "bundle.tar"
+    with tarfile.open(tar, "w") as archive:
+        archive.add(bundles[0], arcname="b")
+        link = tarfile.TarInfo("b/escape")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        archive.addfile(link)
+    with pytest.raises(BundleError):
+        BundleStore(tmp_path / "store").install(tar, load_check=False)
+    assert not (tmp_path / "store" / "current").exists()
+
+
+@pytest.mark.parametrize("fault", ["flipped_byte", "missing_file", "schema_version", "unknown_family", "not_a_tar"])
+def test_a_corrupt_or_incompatible_bundle_is_refused_before_the_switch(bundles, tmp_path, fault):
+    store = BundleStore(tmp_path / "store")
+    store.install(bundles[0], load_check=False)
+    store.install(bundles[1], load_check=False)
+    before = _files(tmp_path / "store")
+    bad = bundles[2]
+    manifest = json.loads((bad / MANIFEST).read_text())
+    graph = bad / manifest["components"][0]["file"]
+    if fault == "flipped_byte":
+        data = bytearray(graph.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        graph.write_bytes(bytes(data))
+    elif fault == "missing_file":
+        graph.unlink()
+    elif fault in ("schema_version", "unknown_family"):
+        manifest.update({"schema_version": 2} if fault == "schema_version" else {"family": "tacotron"})
+        (bad / MANIFEST).write_text(json.dumps(manifest))
+    else:
+        bad = tmp_path / "bundle.tar"
+        bad.write_bytes(b"this is no tar" * 100)
+    with pytest.raises(BundleError):  # by the checks of the staged copy alone, before any graph is loaded
+        store.install(bad, load_check=False)
+    assert _files(tmp_path / "store") == before  # pointers, entries and index untouched, no staging left
+
+
+def test_prune_removes_only_this_tools_retired_entries(bundles, tmp_path):
+    root = tmp_path / "store"
+    store = BundleStore(root)
+    (root / "my-own-folder").mkdir(parents=True)
+    (root / "my-own-folder" / "notes.txt").write_text("mine")
+    oldest = store.install(bundles[0], load_check=False)["current"]
+    store.install(bundles[1], load_check=False)
+    (root / oldest / "my-file.txt").write_text("I put this here")  # a user's file inside an installed entry
+    result = store.install(bundles[2], load_check=False)
+    assert (root / "my-own-folder" / "notes.txt").read_text() == "mine"
+    assert (root / oldest / "my-file.txt").is_file()  # holds a file the bundle does not list: left alone
+    (root / oldest / "my-file.txt").unlink()
+    store.install(bundles[0], load_check=False)  # back to the oldest: it is still there
+    result = store.install(bundles[2], load_check=False)
+    assert result["current_sha256"] == bundle_hash(bundles[2]) and result["previous_sha256"] == bundle_hash(bundles[0])
+    assert len(result["entries"]) == 2  # the retired middle one was pruned
+    assert (root / "my-own-folder" / "notes.txt").read_text() == "mine"
+
+
+def test_the_cli_refuses_a_corrupt_bundle_in_one_line(bundles, tmp_path):
+    env = {**os.environ, "COSYEDGE_BUNDLE_STORE": str(tmp_path / "store")}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "bundle", *args], env=env,
+                                       capture_output=True, text=True, timeout=300)
+    assert run("install", str(bundles[0]), "--no-load-check").returncode == 0
+    (bundles[1] / "phoneme_id_map.json").write_text("{}")
+    refused = run("install", str(bundles[1]))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "does not match its sha256" in refused.stderr
+    listed = json.loads(run("list").stdout)
+    assert listed["current_sha256"] == bundle_hash(bundles[0]) and listed["previous"] is None
+    assert run("rollback").returncode == 2  # nothing to roll back to: one line, exit 2
