@@ -243,14 +243,20 @@ def _slow_lines(caplog) -> list[logging.LogRecord]:
 def test_only_slow_requests_are_logged_and_text_only_when_configured(default_engine, tmp_path, caplog, log_text):
     caplog.set_level(logging.DEBUG)
     with run_server(api_config(tmp_path, log_request_text=log_text), default_engine) as srv:
-        for _ in range(30):
-            assert srv.post(TTS, {"text": f"{MARKER}.", "format": "pcm"})[0] == 200
+        baseline = []  # the first min_samples requests of a route have no p95 to be above: never logged
+        for i in range(30):
+            status, headers, _ = srv.post(TTS, {"text": f"{MARKER}.", "format": "pcm"})
+            assert status == 200
+            if i < SlowRequests().min_samples:
+                baseline.append(headers["x-request-id"])
         status, headers, _ = srv.post(TTS, {"text": LONG, "format": "pcm"})
         assert status == 200
         slow_id = headers["x-request-id"]
         assert _wait_for(lambda: any(slow_id in r.getMessage() for r in _slow_lines(caplog)))
     lines = _slow_lines(caplog)
-    assert len(lines) <= 4, [r.getMessage() for r in lines]  # 31 requests: the long one and a few above the p95
+    # Which short requests land above the running p95 depends on the box's noise (the p95 rule itself is
+    # test_slow_request_window_is_a_running_p95's); what is certain: none of the baseline, the long one once.
+    assert not [r.getMessage() for r in lines if any(i in r.getMessage() for i in baseline)]
     (line,) = [r.getMessage() for r in lines if slow_id in r.getMessage()]
     assert f"{TTS} -> 200 in" in line and f"{len(LONG)} characters" in line
     if log_text:
