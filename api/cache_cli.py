@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cosyedge.device.errors import InputError
-from cosyedge.device.request import CACHE_WARM, add_flags
+from cosyedge.device.request import CACHE_WARM, add_flags, add_in_flight, check_in_flight
 
 if TYPE_CHECKING:
     from cosyedge.api.config import ServiceConfig
@@ -39,6 +39,8 @@ def warm(args: argparse.Namespace) -> int:
     if config.cache_max_mb <= 0:
         raise InputError("the phrase cache is off (cache_max_mb = 0); nothing to warm")
     lines = read_lines(Path(args.phrases))
+    if args.in_flight is not None:
+        check_in_flight(args.in_flight)  # before the engine loads
     cache = open_cache(config.state_dir, config.cache_max_mb)
     engine = load_engine(config)
     job = request.parse(request.cli_values(args, request.CACHE_WARM), request.CACHE_WARM, engine,
@@ -63,7 +65,8 @@ def warm(args: argparse.Namespace) -> int:
     make_dir(cache.root, "phrase cache folder")
     with Door(engine) as door:
         summary = run_lines(lines, render, lambda line: cache.has(key(line)), cache.root / DEAD_LETTER,
-                            progress=not args.quiet)
+                            progress=not args.quiet,
+                            in_flight=engine.limits.batch_max if args.in_flight is None else args.in_flight)
     print(json.dumps({**summary, **cache.stats()}))
     if summary["failed"]:
         print(f"{summary['failed']} line(s) failed; see {FOLDER}/{DEAD_LETTER} in the state directory", file=sys.stderr)
@@ -102,4 +105,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     warm_parser.add_argument("--precision", help="fp32, fp16, int8, int4 or auto (default: the service's)")
     warm_parser.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
     add_flags(warm_parser, CACHE_WARM)  # the request declaration's fields, as a request would send them
+    add_in_flight(warm_parser)
     warm_parser.add_argument("--quiet", action="store_true", help="no progress bar")

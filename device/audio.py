@@ -2,7 +2,8 @@
 
 One codec table (`CODECS`) holds each compressed format's ffmpeg settings, used by the whole-file encoder
 (`encode`, through pydub) and the streaming one (`FfmpegEncoder`, one ffmpeg process per stream, so frames
-continue across sentences and chunks): the same format sounds the same from every door. A request's output
+continue across sentences and chunks), and `encode_pcm_file` (file to file: a batch job's long recording never
+sits in memory): the same format sounds the same from every door. A request's output
 rate is reached by resampling the float waveform with soxr, whole (`resample`) or chunk by chunk (`Resampler`,
 whose filter state carries across chunks): both give the same samples, so a stream equals the whole file.
 
@@ -153,6 +154,52 @@ def encode_wave(wave: np.ndarray, rate: int, fmt: str, out_rate: int | None = No
     return encode(to_audio_segment(resample(wave, rate, out_rate), out_rate or rate), fmt)
 
 
+def _ffmpeg_args(fmt: str, sample_rate: int, source: str, output: list[str]) -> list[str]:
+    """ffmpeg reading pcm16 mono at `sample_rate` from `source` and encoding it as `fmt` (`CODECS`) to `output`."""
+    codec = CODECS[fmt]
+    bitrate = ("-b:a", codec.bitrate) if codec.bitrate else ()
+    return [ffmpeg_binary(), "-hide_banner", "-loglevel", "error", "-f", "s16le", "-ar", str(sample_rate), "-ac", "1",
+            "-i", source, "-ar", str(codec_rate(fmt, sample_rate)), "-c:a", codec.encoder, *bitrate, *output]
+
+
+def encode_pcm_file(source: Path, sample_rate: int, fmt: str, target: Path) -> None:
+    """A file of pcm16 mono at `sample_rate` encoded as `fmt` into `target` (made anew), file to file."""
+    args = _ffmpeg_args(fmt, sample_rate, str(source), ["-f", CODECS[fmt].container, "-y", str(target)])
+    done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True)
+    if done.returncode != 0:
+        detail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise EncodingError(f"ffmpeg could not encode {fmt}: {detail[0][:200]}")
+
+
+class Crossfade:
+    """A line's sentences, given one by one, as one signal whose joins are an equal-power crossfade of `overlap`
+    samples (cos / sin gains: the power of two uncorrelated signals is kept): each call returns what is final, the
+    last `overlap` samples wait for the next sentence, and `flush` gives them at the end."""
+
+    def __init__(self, overlap: int) -> None:
+        self.overlap = overlap
+        self._tail = np.zeros(0, np.float32)
+        self._started = False
+
+    def __call__(self, wave: np.ndarray) -> np.ndarray:
+        wave = np.asarray(wave, np.float32)
+        head = np.zeros(0, np.float32)
+        if self._started and (n := min(self.overlap, len(self._tail), len(wave))):
+            angle = (np.arange(n, dtype=np.float64) + 0.5) * (np.pi / 2 / n)
+            mixed = self._tail[len(self._tail) - n:] * np.cos(angle) + wave[:n] * np.sin(angle)
+            head, wave = np.concatenate([self._tail[:len(self._tail) - n], mixed.astype(np.float32)]), wave[n:]
+        elif self._started:
+            head = self._tail
+        self._started = True
+        keep = min(self.overlap, len(wave))
+        self._tail = wave[len(wave) - keep:]
+        return np.concatenate([head, wave[:len(wave) - keep]])
+
+    def flush(self) -> np.ndarray:
+        tail, self._tail = self._tail, np.zeros(0, np.float32)
+        return tail
+
+
 def streaming_wav_header(sample_rate: int) -> bytes:
     """A 16-bit mono WAV header whose sizes say 'unknown' (0xFFFFFFFF), for audio sent as it is made."""
     unknown = 0xFFFFFFFF
@@ -166,11 +213,8 @@ class FfmpegEncoder:
     ffmpeg makes them, then `sink(("eof", None))`."""
 
     def __init__(self, fmt: str, sample_rate: int, sink: Callable[[tuple], None]) -> None:
-        codec = CODECS[fmt]
-        bitrate = ("-b:a", codec.bitrate) if codec.bitrate else ()
-        args = [ffmpeg_binary(), "-hide_banner", "-loglevel", "error", "-f", "s16le", "-ar", str(sample_rate),
-                "-ac", "1", "-i", "pipe:0", "-ar", str(codec_rate(fmt, sample_rate)), "-c:a", codec.encoder,
-                *bitrate, *codec.streaming, "-f", codec.container, "-flush_packets", "1", "pipe:1"]
+        args = _ffmpeg_args(fmt, sample_rate, "pipe:0", [*CODECS[fmt].streaming, "-f", CODECS[fmt].container,
+                                                         "-flush_packets", "1", "pipe:1"])
         self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         self._sink = sink
         self._reader = threading.Thread(target=self._pump, name="cosyedge-ffmpeg-reader", daemon=True)

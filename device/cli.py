@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cosyedge.device.bundle import PRECISIONS, TARGETS
 from cosyedge.device.errors import CosyedgeError, InputError
-from cosyedge.device.request import SYNTH, SYNTH_BATCH, add_flags
+from cosyedge.device.request import SYNTH, SYNTH_BATCH, add_flags, add_in_flight, check_in_flight
 
 COMMANDS = "cosyedge.commands"  # entry-point group: register(subparsers) of another layer's commands
 
@@ -67,9 +67,11 @@ def cmd_synth_batch(args: argparse.Namespace) -> int:
     lines = read_lines(Path(args.input))
     out_dir = Path(args.out_dir)
     check_sample_rate(args.sample_rate)  # before the engine loads
+    if args.in_flight is not None:
+        check_in_flight(args.in_flight)
     engine = _engine(args)
     job = request.parse(request.cli_values(args, request.SYNTH_BATCH), request.SYNTH_BATCH, engine)
-    summary = run_job(engine, lines, out_dir, job, progress=not args.quiet)
+    summary = run_job(engine, lines, out_dir, job, progress=not args.quiet, in_flight=args.in_flight)
     print(json.dumps(summary))
     if summary["failed"]:
         print(f"{summary['failed']} line(s) failed; see {out_dir.name}/{DEAD_LETTER}", file=sys.stderr)
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", required=True)
     _add_engine_args(p)
     add_flags(p, SYNTH_BATCH)
+    add_in_flight(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_synth_batch)
 

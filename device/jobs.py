@@ -1,7 +1,12 @@
 """Offline batch jobs: thousands of lines to audio files, resumable, failures kept in a dead-letter file.
 
-A line's output is written to a temporary name and renamed when complete, so a killed job
-leaves no half-written file; a rerun skips every line whose file exists and decodes.
+`in_flight` lines are in the engine at once, each a whole job through the engine's door (the same door as the
+service: CosyVoice lines share decode steps, VITS lines take turns sentence by sentence). A line's output is
+written to a temporary name as its sentences arrive and renamed when complete, so a killed job leaves no
+half-written file; a rerun skips every line whose file exists and decodes. A line longer than the engine's text
+bound (a chapter) is rendered in windows of whole sentences, one door job after the other, and written as it
+comes: memory follows the sentences in flight, not the line's length. Sentences meet in a 10 ms equal-power
+crossfade (docs/batch.md).
 """
 from __future__ import annotations
 
@@ -10,24 +15,30 @@ import json
 import re
 import sys
 import time
+import unicodedata
+import wave
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy as np
 import soundfile as sf
 
-from cosyedge.device.audio import decodes, encode_wave
-from cosyedge.device.door import Door, Job, collect
+from cosyedge.device.audio import Crossfade, Resampler, decodes, encode_pcm_file, to_pcm16
+from cosyedge.device.door import Door, Job
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import CosyedgeError, InputError
 from cosyedge.device.paths import read_text
-from cosyedge.device.request import Request
+from cosyedge.device.request import Request, check_in_flight
+from cosyedge.device.text import SENTENCE_END
 
 DEAD_LETTER = "dead_letter.jsonl"
 MAX_INPUT_BYTES = 64 << 20  # a job's input file (a long book is a few MB); /dev/zero is refused, not read whole
 MAX_ID = 200  # characters of an id: it names the output file (255 bytes at most, with the suffixes)
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
+JOIN_S = 0.010  # the equal-power crossfade where two sentences of a line meet
 
 
 @dataclass(frozen=True)
@@ -86,9 +97,79 @@ def _out_dir(path: Path) -> Path:
     return path
 
 
-def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, progress: bool = True) -> dict:
-    """Synthesize every line not yet done with the request's options, format and rate, each a whole job through
-    the engine's door; return a summary (done, skipped, failed, audio seconds, RTF)."""
+def windows(text: str, limit: int) -> Iterator[str]:
+    """A line's text in pieces of whole sentences (cut where `text.split_sentences` cuts), each at most `limit`
+    characters after NFKC; a line within the limit is one piece, as it is. A sentence over the limit is a piece of
+    its own (the engine refuses it, as it would the line)."""
+    if len(unicodedata.normalize("NFKC", text)) <= limit:
+        yield text
+        return
+    start = last = 0
+    for cut in [m.end() for m in SENTENCE_END.finditer(text)] + [len(text)]:
+        if last > start and len(unicodedata.normalize("NFKC", text[start:cut])) > limit:
+            if text[start:last].strip():
+                yield text[start:last]
+            start = last
+        last = cut
+    if text[start:].strip():
+        yield text[start:]
+
+
+class _Output:
+    """One line's file as its sentences arrive: joined (`Crossfade`), resampled as they come, pcm16 into a partial
+    file (wav: the `wave` module patches its header at the end; a compressed format: ffmpeg encodes the partial
+    pcm file to the partial output), renamed into place when whole; `discard` removes the partial files."""
+
+    def __init__(self, target: Path, rate: int, fmt: str, out_rate: int | None) -> None:
+        self.target, self.fmt, self.rate = target, fmt, rate
+        self.out_rate = out_rate or rate
+        self.partial = target.with_name(f".{target.name}.partial")
+        self.spool = self.partial if fmt in ("wav", "pcm") else target.with_name(f".{target.name}.pcm.partial")
+        self.samples = 0  # at the engine's rate, after the joins
+        self._join, self._resample = Crossfade(round(JOIN_S * rate)), Resampler(rate, out_rate)
+        self._file = self.spool.open("wb")
+        self._wave = None
+        if fmt == "wav":
+            self._wave = wave.open(self._file, "wb")
+            self._wave.setnchannels(1)
+            self._wave.setsampwidth(2)
+            self._wave.setframerate(self.out_rate)
+
+    def write(self, sentence: np.ndarray) -> None:
+        self._put(self._join(sentence))
+
+    def _put(self, samples: np.ndarray, last: bool = False) -> None:
+        self.samples += len(samples)
+        pcm = to_pcm16(np.concatenate([self._resample(samples), self._resample.flush()]) if last else
+                       self._resample(samples))
+        if self._wave is not None:
+            self._wave.writeframesraw(pcm)
+        else:
+            self._file.write(pcm)
+
+    def finish(self) -> float:
+        """Write what is held back, close and rename into place; the line's audio seconds."""
+        self._put(self._join.flush(), last=True)
+        if self._wave is not None:
+            self._wave.close()  # the header's sizes; the file itself is ours to close
+        self._file.close()
+        if self.spool != self.partial:
+            encode_pcm_file(self.spool, self.out_rate, self.fmt, self.partial)
+            self.spool.unlink()
+        self.partial.replace(self.target)
+        return self.samples / self.rate
+
+    def discard(self) -> None:
+        self._file.close()
+        for path in {self.spool, self.partial}:
+            path.unlink(missing_ok=True)
+
+
+def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, progress: bool = True,
+            in_flight: int | None = None) -> dict:
+    """Synthesize every line not yet done with the request's options, format and rate, `in_flight` lines at once
+    (default: the engine's batch bound), each a whole job through the engine's door (a long line: one job per
+    window of sentences); return a summary (done, skipped, failed, audio seconds, audio seconds per second, RTF)."""
     _out_dir(out_dir)
     fmt, rate = job.format, engine.sample_rate
 
@@ -100,52 +181,87 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, prog
     with Door(engine) as door:
         def render(line: Line) -> float:
             target = output(line)
-            wave = collect(door.stream(Job(engine.segments(line.text), job.options, chunked=False)))
-            partial = target.with_name(f".{target.name}.partial")
-            partial.write_bytes(encode_wave(wave, rate, fmt, job.sample_rate))
-            partial.replace(target)
-            return len(wave) / rate
+            texts = windows(line.text, engine.limits.max_text_len)
+            segments = engine.segments(next(texts, line.text))  # the first window's refusal leaves no file
+            out = _Output(target, rate, fmt, job.sample_rate)
+            try:
+                while segments is not None:
+                    for chunk in door.stream(Job(segments, job.options, chunked=False)):
+                        out.write(chunk.audio)  # whole jobs: one chunk per sentence
+                    segments = next((engine.segments(text) for text in texts), None)  # the next window, if any
+                return out.finish()
+            except BaseException:
+                out.discard()
+                raise
 
-        return run_lines(lines, render, lambda line: _complete(output(line)), out_dir / DEAD_LETTER, progress)
+        return run_lines(lines, render, lambda line: _complete(output(line)), out_dir / DEAD_LETTER, progress,
+                         engine.limits.batch_max if in_flight is None else in_flight)
 
 
 def run_lines(lines: list[Line], render: Callable[[Line], float], done: Callable[[Line], bool], dead_letter: Path,
-              progress: bool = True) -> dict:
-    """The resumable loop of a job: skip the lines `done` says are done, `render` the others (it returns the
-    line's audio seconds), a line that fails goes to the `dead_letter` file; a progress bar on stderr."""
+              progress: bool = True, in_flight: int = 1) -> dict:
+    """The resumable loop of a job: skip the lines `done` says are done, `render` the others, `in_flight` at once on
+    threads of their own (`render` returns the line's audio seconds; lines finish in any order), a line that fails
+    goes to the `dead_letter` file; a progress bar on stderr (lines/s, ETA, audio seconds per second, running RTF)."""
+    check_in_flight(in_flight)
+
     def pending(line: Line) -> bool:
         try:
             return not done(line)
         except CosyedgeError:
             return True  # an unusable line: render() meets the same refusal and dead-letters it
 
-    todo = [line for line in lines if pending(line)]
-    summary = {"total": len(lines), "skipped": len(lines) - len(todo), "done": 0, "failed": 0,
-               "audio_s": 0.0, "compute_s": 0.0}
+    left = [line for line in lines if pending(line)]
+    summary = {"total": len(lines), "skipped": len(lines) - len(left), "done": 0, "failed": 0, "in_flight": in_flight,
+               "audio_s": 0.0, "wall_s": 0.0}
+    todo = iter(left)
     from tqdm import tqdm
-    bar = tqdm(total=len(lines), initial=summary["skipped"], unit="line", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
+    begin = time.perf_counter()
+    running: dict[Future, Line] = {}
+    pool = ThreadPoolExecutor(in_flight, "cosyedge-line")
     with dead_letter.open("a", encoding="utf-8") as dead:
-        for line in todo:
-            start = time.perf_counter()
-            try:
-                seconds = render(line)
-            except Exception as exc:  # noqa: BLE001 - one line's failure (input, runtime, encoder) never ends the job
-                summary["failed"] += 1
-                error = str(exc) if isinstance(exc, CosyedgeError) else f"{type(exc).__name__}: {exc}"
-                dead.write(json.dumps({"id": line.key, "text": line.text, "error": error,
-                                       "time": datetime.now(timezone.utc).isoformat(timespec="seconds")},
-                                      ensure_ascii=False) + "\n")
-                dead.flush()
-            else:
-                summary["done"] += 1
-                summary["audio_s"] += seconds
-            summary["compute_s"] += time.perf_counter() - start
-            bar.update(1)
-            if summary["audio_s"]:
-                bar.set_postfix(audio=f"{summary['audio_s']:.0f}s", rtf=f"{summary['compute_s'] / summary['audio_s']:.3f}",
-                                failed=summary["failed"])
-    bar.close()
-    summary["rtf"] = round(summary["compute_s"] / summary["audio_s"], 4) if summary["audio_s"] else None
-    summary["audio_s"], summary["compute_s"] = round(summary["audio_s"], 2), round(summary["compute_s"], 2)
+        def submit() -> None:
+            if (line := next(todo, None)) is not None:
+                running[pool.submit(render, line)] = line
+        for _ in range(in_flight):
+            submit()
+        bar = tqdm(total=len(lines), initial=summary["skipped"], unit="line", disable=not progress, file=sys.stderr,
+                   dynamic_ncols=True)
+        try:
+            while running:
+                for future in wait(running, return_when=FIRST_COMPLETED).done:
+                    line = running.pop(future)
+                    submit()
+                    _record(summary, line, future, dead)
+                    bar.update(1)
+                    elapsed = time.perf_counter() - begin
+                    if summary["audio_s"]:
+                        bar.set_postfix({"audio": f"{summary['audio_s']:.0f}s",
+                                         "audio/s": f"{summary['audio_s'] / elapsed:.2f}",
+                                         "rtf": f"{elapsed / summary['audio_s']:.3f}", "failed": summary["failed"]})
+        finally:  # all done, or interrupted: lines not started are dropped, the door's closing ends the others
+            pool.shutdown(wait=False, cancel_futures=True)
+            bar.close()
+    summary["wall_s"] = time.perf_counter() - begin
+    audio = summary["audio_s"]
+    summary["audio_s_per_s"] = round(audio / summary["wall_s"], 4) if summary["wall_s"] else None
+    summary["rtf"] = round(summary["wall_s"] / audio, 4) if audio else None
+    summary["audio_s"], summary["wall_s"] = round(audio, 2), round(summary["wall_s"], 2)
     return summary
+
+
+def _record(summary: dict, line: Line, future: Future, dead) -> None:
+    """A finished line in the summary, or its failure in the dead-letter file (one line's failure - input,
+    runtime, encoder - never ends the job)."""
+    try:
+        seconds = future.result()
+    except Exception as exc:  # noqa: BLE001
+        summary["failed"] += 1
+        error = str(exc) if isinstance(exc, CosyedgeError) else f"{type(exc).__name__}: {exc}"
+        dead.write(json.dumps({"id": line.key, "text": line.text, "error": error,
+                               "time": datetime.now(timezone.utc).isoformat(timespec="seconds")},
+                              ensure_ascii=False) + "\n")
+        dead.flush()
+    else:
+        summary["done"] += 1
+        summary["audio_s"] += seconds

@@ -252,3 +252,20 @@ def cli_values(args: argparse.Namespace, door: str, **given: Any) -> dict[str, A
     """The flags `add_flags` added, as `parse` takes them (an unset flag is absent), plus `given` (e.g. text)."""
     values = {f.name: getattr(args, f.name) for f in fields(door) if f.flag is not None}
     return {**{k: v for k, v in values.items() if v not in (None, False)}, **given}
+
+
+IN_FLIGHT_MAX = 256  # lines of a batch command in the engine at once (each holds a thread and a few sentences)
+
+
+def add_in_flight(parser: argparse.ArgumentParser) -> None:
+    """`--in-flight N` of the commands that render many lines (`synth-batch`, `cache warm`): not a request field,
+    how many requests the command keeps in the engine at once."""
+    parser.add_argument("--in-flight", type=int, metavar="N",
+                        help="lines in the engine at once through its door (default: the bundle's batch bound; "
+                             "1: one at a time)")
+
+
+def check_in_flight(value: int) -> int:
+    if not 1 <= value <= IN_FLIGHT_MAX:
+        raise InputError(f"--in-flight must be in 1-{IN_FLIGHT_MAX}")
+    return value

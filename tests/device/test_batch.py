@@ -1,0 +1,170 @@
+"""synth-batch with lines in flight (issue 22): N lines in the engine at once through its door write the same files
+as one at a time, a job SIGKILLed mid-run resumes with every line made exactly once, a failing line is
+dead-lettered while the others finish, a chapter as one line is written with bounded memory, and 24 kHz WAV comes
+out of every family."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cosyedge.device import request
+from cosyedge.device.audio import Crossfade
+from cosyedge.device.engine import Engine
+from cosyedge.device.jobs import DEAD_LETTER, JOIN_S, Line, run_job, windows
+from cosyedge.device.sessions import SessionConfig
+
+T = 300  # seconds: a bound for every wait, never an expectation
+ENGLISH = [Line("intro", "One small line. And a second sentence after it."), Line("b", "Two small lines."),
+           Line("c", "Three small lines! Really? Yes, really."), Line("d", "Four."),
+           Line("e", "The fifth line is a little longer than the others, with a clause."), Line("f", "Six.")]
+
+
+def _job(engine: Engine, **values) -> request.Request:
+    return request.parse(values, request.SYNTH_BATCH, engine)
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(out.iterdir()) if path.name != DEAD_LETTER}
+
+
+def test_in_flight_writes_the_files_of_one_at_a_time_on_the_default_voice(default_engine, tmp_path):
+    job = _job(default_engine, deterministic=True)
+    one = run_job(default_engine, ENGLISH, tmp_path / "one", job, progress=False, in_flight=1)
+    many = run_job(default_engine, ENGLISH, tmp_path / "many", job, progress=False, in_flight=4)
+    assert one["done"] == many["done"] == len(ENGLISH) and many["in_flight"] == 4
+    assert sorted(_files(tmp_path / "many")) == sorted(f"{line.key}.wav" for line in ENGLISH)  # ids stable
+    assert _files(tmp_path / "many") == _files(tmp_path / "one")
+    assert many["audio_s_per_s"] > 0 and many["rtf"] == pytest.approx(many["wall_s"] / many["audio_s"], rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def cv2_engine(cv2_tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    return Engine.load(cv2_tiny_bundle, precision="fp32", warmup=False, state_dir=tmp_path_factory.mktemp("batch"),
+                       sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
+
+
+def test_in_flight_writes_the_files_of_one_at_a_time_on_tiny_cosyvoice2(cv2_engine, tmp_path):
+    lines = [Line("a", "你好。"), Line("b", "收到好友从远方寄来的生日礼物。"), Line("c", "今天天气很好。"),
+             Line("d", "谢谢。")]
+    job = _job(cv2_engine, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
+    one = run_job(cv2_engine, lines, tmp_path / "one", job, progress=False, in_flight=1)
+    many = run_job(cv2_engine, lines, tmp_path / "many", job, progress=False, in_flight=4)
+    assert one["done"] == many["done"] == len(lines)
+    assert _files(tmp_path / "many") == _files(tmp_path / "one")
+
+
+@pytest.mark.parametrize("family", ["default", "cosyvoice2"])
+def test_24_khz_wav_from_every_family(family, default_engine, cv2_engine, tmp_path):
+    engine, values = ((default_engine, {}) if family == "default" else
+                      (cv2_engine, {"voice": "tiny_spk_zh", "sampling": "greedy"}))
+    text = "Hello there. A second sentence." if family == "default" else "你好。"
+    native = run_job(engine, [Line("a", text)], tmp_path / "native", _job(engine, deterministic=True, **values),
+                     progress=False, in_flight=1)
+    out = tmp_path / "24k"
+    summary = run_job(engine, [Line("a", text)], out, _job(engine, deterministic=True, sample_rate=24000,
+                                                           format="wav", **values), progress=False, in_flight=2)
+    assert summary["done"] == 1
+    info = sf.info(str(out / "a.wav"))
+    assert info.samplerate == 24000 and info.subtype == "PCM_16"
+    assert info.duration == pytest.approx(native["audio_s"], abs=0.01)  # the same audio, resampled
+
+
+def test_a_failing_line_is_dead_lettered_while_the_others_finish(default_engine, tmp_path):
+    lines = [*ENGLISH[:3], Line("emoji", "🙂🙂🙂"), Line("x" * 300, "An id too long to name a file."), *ENGLISH[3:]]
+    summary = run_job(default_engine, lines, tmp_path, _job(default_engine), progress=False, in_flight=3)
+    assert summary == {**summary, "done": len(ENGLISH), "failed": 2}
+    dead = [json.loads(line) for line in (tmp_path / DEAD_LETTER).read_text().splitlines()]
+    assert sorted(d["id"] for d in dead) == sorted(["emoji", "x" * 300]) and all(d["error"] for d in dead)
+    assert sorted(_files(tmp_path)) == sorted(f"{line.key}.wav" for line in ENGLISH)
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_a_job_killed_mid_run_resumes_with_every_line_made_once(default_bundle_path, tmp_path):
+    home = default_bundle_path.parents[1]
+    env = {**os.environ, "COSYEDGE_HOME": str(home), "COSYEDGE_THREADS": "1"}
+    book = tmp_path / "book.txt"
+    book.write_text("".join(f"Line {n} has a first sentence. And then it has a second one, a little longer.\n"
+                            for n in range(1, 25)))
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "cosyedge.device.cli", "synth-batch", str(book), "--out-dir", str(out),
+            "--in-flight", "2", "--deterministic", "--quiet"]
+    job = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    end = time.monotonic() + T
+    while len(list(out.glob("*.wav"))) < 3:
+        assert job.poll() is None, job.stderr.read().decode()[-2000:]
+        assert time.monotonic() < end, "no line finished"
+        time.sleep(0.02)
+    job.send_signal(signal.SIGKILL)
+    job.wait(T)
+    job.stdout.close()
+    job.stderr.close()
+    before = {path.name: path.stat().st_mtime_ns for path in out.glob("*.wav")}
+    assert 3 <= len(before) < 24, "the job was not killed mid-run"
+
+    again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=T)
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary == {**summary, "total": 24, "skipped": len(before), "done": 24 - len(before), "failed": 0}
+    assert sorted(path.name for path in out.glob("*.wav")) == [f"{n:06d}.wav" for n in range(1, 25)]
+    assert {name: (out / name).stat().st_mtime_ns for name in before} == before  # done lines were not made again
+    assert not list(out.glob(".*partial")) and not (out / DEAD_LETTER).read_text()
+    assert all(sf.info(str(path)).frames > 0 for path in out.glob("*.wav"))
+
+
+def test_a_chapter_as_one_line_is_written_in_bounded_memory(default_engine, tmp_path):
+    """200 sentences in one line (several minutes of audio, over 10 MB as float32 at once): rendered window by
+    window, sentence by sentence, and written as it comes; the Python heap (numpy's buffers included) never holds
+    more than a few sentences, and the audio is as long as its sentences."""
+    five = ["The cat sat down.", "It was late at night.", "Rain fell on the roof.", "Nobody spoke.",
+            "Then the lights went out."]
+    chapter = " ".join(five * 40)
+    assert len(chapter) > 2 * default_engine.limits.max_text_len  # over the per-request bound: several windows
+    job = _job(default_engine, deterministic=True)
+    sample = run_job(default_engine, [Line("sample", " ".join(five))], tmp_path / "s", job, progress=False,
+                     in_flight=1)
+    tracemalloc.start()
+    try:
+        summary = run_job(default_engine, [Line("chapter", chapter)], tmp_path / "c", job, progress=False,
+                          in_flight=2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert summary["done"] == 1, (tmp_path / "c" / DEAD_LETTER).read_text()
+    info = sf.info(str(tmp_path / "c" / "chapter.wav"))
+    whole = info.frames * 4  # the chapter as one float32 waveform
+    assert peak < min(4 << 20, whole / 4), f"peak {peak / 2**20:.1f} MiB traced for {whole / 2**20:.1f} MiB of audio"
+    assert info.duration == pytest.approx(summary["audio_s"], abs=0.01)
+    joins = 199 - 40 * 4  # the chapter's joins beyond forty samples' own, JOIN_S shorter each
+    assert info.duration == pytest.approx(40 * sample["audio_s"] - joins * JOIN_S, rel=0.02)
+
+
+def test_windows_cut_a_long_line_at_sentence_ends_within_the_bound():
+    text = "Short one. " * 50 + "Last!"
+    pieces = list(windows(text, 100))
+    assert "".join(pieces) == text and all(len(p) <= 100 for p in pieces) and len(pieces) > 5
+    assert all(p.rstrip().endswith((".", "!")) for p in pieces)
+    assert list(windows("Within the bound. Kept whole.", 100)) == ["Within the bound. Kept whole."]
+    assert "".join(windows("收到了。" * 40, 50)) == "收到了。" * 40
+
+
+def test_sentences_meet_in_an_equal_power_crossfade():
+    overlap = round(JOIN_S * 22050)
+    join = Crossfade(overlap)
+    a, b = np.ones(1000, np.float32), np.ones(800, np.float32)
+    out = np.concatenate([join(a), join(b), join.flush()])
+    assert out.size == a.size + b.size - overlap  # one overlap per join
+    middle = out[a.size - overlap:a.size]
+    angle = (np.arange(overlap) + 0.5) * (np.pi / 2 / overlap)
+    np.testing.assert_allclose(middle, np.cos(angle) + np.sin(angle), rtol=1e-6)  # gains with cos^2 + sin^2 = 1
+    np.testing.assert_array_equal(out[:a.size - overlap], 1.0)
+    np.testing.assert_array_equal(out[a.size:], 1.0)
