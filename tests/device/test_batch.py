@@ -1,15 +1,10 @@
 """synth-batch with lines in flight (issue 22): N lines in the engine at once through its door write the same files
-as one at a time, a job SIGKILLed mid-run resumes with every line made exactly once, a failing line is
-dead-lettered while the others finish, a chapter as one line is written with bounded memory, and 24 kHz WAV comes
-out of every family."""
+as one at a time, a failing line is dead-lettered while the others finish, a chapter as one line is written with
+bounded memory, and 24 kHz WAV comes out of every family. (A job SIGKILLed mid-run, lines in flight by default:
+tests/device/test_cli.py.)"""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -23,7 +18,6 @@ from cosyedge.device.engine import Engine
 from cosyedge.device.jobs import DEAD_LETTER, JOIN_S, Line, run_job, windows
 from cosyedge.device.sessions import SessionConfig
 
-T = 300  # seconds: a bound for every wait, never an expectation
 ENGLISH = [Line("intro", "One small line. And a second sentence after it."), Line("b", "Two small lines."),
            Line("c", "Three small lines! Really? Yes, really."), Line("d", "Four."),
            Line("e", "The fifth line is a little longer than the others, with a clause."), Line("f", "Six.")]
@@ -89,38 +83,6 @@ def test_a_failing_line_is_dead_lettered_while_the_others_finish(default_engine,
     assert not list(tmp_path.glob(".*partial"))
 
 
-def test_a_job_killed_mid_run_resumes_with_every_line_made_once(default_bundle_path, tmp_path):
-    home = default_bundle_path.parents[1]
-    env = {**os.environ, "COSYEDGE_HOME": str(home), "COSYEDGE_THREADS": "1"}
-    book = tmp_path / "book.txt"
-    book.write_text("".join(f"Line {n} has a first sentence. And then it has a second one, a little longer.\n"
-                            for n in range(1, 25)))
-    out = tmp_path / "out"
-    args = [sys.executable, "-m", "cosyedge.device.cli", "synth-batch", str(book), "--out-dir", str(out),
-            "--in-flight", "2", "--deterministic", "--quiet"]
-    job = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    end = time.monotonic() + T
-    while len(list(out.glob("*.wav"))) < 3:
-        assert job.poll() is None, job.stderr.read().decode()[-2000:]
-        assert time.monotonic() < end, "no line finished"
-        time.sleep(0.02)
-    job.send_signal(signal.SIGKILL)
-    job.wait(T)
-    job.stdout.close()
-    job.stderr.close()
-    before = {path.name: path.stat().st_mtime_ns for path in out.glob("*.wav")}
-    assert 3 <= len(before) < 24, "the job was not killed mid-run"
-
-    again = subprocess.run(args, env=env, capture_output=True, text=True, timeout=T)
-    assert again.returncode == 0, again.stderr[-2000:]
-    summary = json.loads(again.stdout.strip().splitlines()[-1])
-    assert summary == {**summary, "total": 24, "skipped": len(before), "done": 24 - len(before), "failed": 0}
-    assert sorted(path.name for path in out.glob("*.wav")) == [f"{n:06d}.wav" for n in range(1, 25)]
-    assert {name: (out / name).stat().st_mtime_ns for name in before} == before  # done lines were not made again
-    assert not list(out.glob(".*partial")) and not (out / DEAD_LETTER).read_text()
-    assert all(sf.info(str(path)).frames > 0 for path in out.glob("*.wav"))
-
-
 def test_a_chapter_as_one_line_is_written_in_bounded_memory(default_engine, tmp_path):
     """200 sentences in one line (several minutes of audio, over 10 MB as float32 at once): rendered window by
     window, sentence by sentence, and written as it comes; the Python heap (numpy's buffers included) never holds
@@ -142,6 +104,7 @@ def test_a_chapter_as_one_line_is_written_in_bounded_memory(default_engine, tmp_
     assert summary["done"] == 1, (tmp_path / "c" / DEAD_LETTER).read_text()
     info = sf.info(str(tmp_path / "c" / "chapter.wav"))
     whole = info.frames * 4  # the chapter as one float32 waveform
+    assert whole > 10 << 20
     assert peak < min(4 << 20, whole / 4), f"peak {peak / 2**20:.1f} MiB traced for {whole / 2**20:.1f} MiB of audio"
     assert info.duration == pytest.approx(summary["audio_s"], abs=0.01)
     joins = 199 - 40 * 4  # the chapter's joins beyond forty samples' own, JOIN_S shorter each
