@@ -51,10 +51,19 @@ def test_in_flight_writes_the_files_of_one_at_a_time_on_tiny_cosyvoice2(cv2_engi
     lines = [Line("a", "你好。"), Line("b", "收到好友从远方寄来的生日礼物。"), Line("c", "今天天气很好。"),
              Line("d", "谢谢。")]
     job = _job(cv2_engine, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
+    steps = cv2_engine.decode_occupancy()
     one = run_job(cv2_engine, lines, tmp_path / "one", job, progress=False, in_flight=1)
+    alone, steps = _steps_since(cv2_engine, steps), cv2_engine.decode_occupancy()
     many = run_job(cv2_engine, lines, tmp_path / "many", job, progress=False, in_flight=4)
+    shared = _steps_since(cv2_engine, steps)
     assert one["done"] == many["done"] == len(lines)
+    assert set(alone) == {1} and max(shared) > 1  # one at a time, one row per step; in flight, lines shared steps
     assert _files(tmp_path / "many") == _files(tmp_path / "one")
+
+
+def _steps_since(engine: Engine, before: dict[int, int]) -> dict[int, int]:
+    """Decode steps run since `before`, by rows decoded together."""
+    return {rows: n - before.get(rows, 0) for rows, n in engine.decode_occupancy().items() if n > before.get(rows, 0)}
 
 
 @pytest.mark.parametrize("family", ["default", "cosyvoice2"])
