@@ -239,7 +239,7 @@ def run_lines(lines: list[Line], render: Callable[[Line], float], done: Callable
                         bar.set_postfix({"audio": f"{summary['audio_s']:.0f}s",
                                          "audio/s": f"{summary['audio_s'] / elapsed:.2f}",
                                          "rtf": f"{elapsed / summary['audio_s']:.3f}", "failed": summary["failed"]})
-        finally:  # all done, or interrupted: lines not started are dropped, the door's closing ends the others
+        finally:  # all done, or interrupted: lines not started are dropped; closing the door ends those waiting in it
             pool.shutdown(wait=False, cancel_futures=True)
             bar.close()
     summary["wall_s"] = time.perf_counter() - begin
