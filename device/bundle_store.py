@@ -29,7 +29,7 @@ from typing import Iterator
 
 from cosyedge.device.bundle import MANIFEST, Bundle, only_listed_files
 from cosyedge.device.errors import BundleError, InputError
-from cosyedge.device.paths import state_dir
+from cosyedge.device.paths import make_dir, state_dir
 
 STORE_ENV = "COSYEDGE_BUNDLE_STORE"
 INDEX = "store.json"
@@ -84,8 +84,7 @@ class BundleStore:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.root.chmod(0o755)
+        make_dir(self.root, "bundle store", mode=0o755)  # one it makes: the service reads it; a user's keeps its mode
         with (self.root / ".lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield

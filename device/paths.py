@@ -24,12 +24,23 @@ def bundles_dir() -> Path:
     return state_dir() / "bundles"
 
 
-def make_dir(path: Path, what: str) -> Path:
-    """`path` as a directory this process may write in, created if missing."""
+def make_dir(path: Path, what: str, mode: int | None = None) -> Path:
+    """`path` as a directory this process may write in, created if missing; with `mode`, a directory this call
+    creates gets that mode (past the umask). A directory that exists keeps its own: it may be a user's."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True)
+    except FileExistsError:
+        if not path.is_dir():
+            raise InputError(f"{what} {path.name!r} exists and is not a directory") from None
     except OSError as exc:
         raise InputError(f"{what} {path.name!r} cannot be created: {exc.strerror or type(exc).__name__}") from None
+    else:
+        if mode is not None:
+            try:
+                path.chmod(mode)
+            except OSError as exc:
+                raise InputError(f"{what} {path.name!r} cannot be set to mode {mode:o}: "
+                                 f"{exc.strerror or type(exc).__name__}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise InputError(f"{what} {path.name!r} is not writable")
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -14,7 +15,7 @@ import pytest
 
 from cosyedge.device.bundle import MANIFEST, Bundle
 from cosyedge.device.bundle_store import BundleStore
-from cosyedge.device.errors import BundleError
+from cosyedge.device.errors import BundleError, InputError
 
 
 def _rebuilt(source: Path, dest: Path, stamp: str) -> Path:
@@ -139,3 +140,31 @@ def test_the_cli_refuses_a_corrupt_bundle_in_one_line(bundles, tmp_path):
     listed = json.loads(run("list").stdout)
     assert listed["current_sha256"] == bundle_hash(bundles[0]) and listed["previous"] is None
     assert run("rollback").returncode == 2  # nothing to roll back to: one line, exit 2
+
+
+def test_a_store_keeps_the_mode_of_a_directory_it_did_not_make(tmp_path):
+    """Only a store folder `bundle` makes gets 0755 (the service's user reads it); a user's folder keeps its own."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    mine.chmod(0o700)
+    with pytest.raises(InputError, match="no previous bundle"):  # rollback takes the store's lock first
+        BundleStore(mine).rollback()
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    umask = os.umask(0o077)
+    try:
+        with pytest.raises(InputError, match="no previous bundle"):
+            BundleStore(tmp_path / "made" / "store").rollback()
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "made" / "store").stat().st_mode) == 0o755
+
+
+def test_a_store_that_cannot_be_made_is_one_line_naming_no_path(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    store = tmp_path / "a-file" / "store"
+    with pytest.raises(InputError, match="bundle store 'store' cannot be created"):
+        BundleStore(store).rollback()
+    run = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "bundle", "rollback", "--store", str(store)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "cannot be created" in run.stderr and str(tmp_path) not in run.stderr
