@@ -10,7 +10,10 @@ A store is a directory of bundles this tool installed and two pointers:
 `install` checks a bundle (manifest version and family, every file's hash, and a real load) in a staging folder
 beside the others, so a corrupt or incompatible bundle is refused before anything the service reads changes.
 A running `cosyedge serve` watches `current` and reloads when it moves (api/service.py). After a switch, entries
-that are neither current nor previous are pruned, and only if they still hold nothing but their listed files.
+that are neither current nor previous are pruned, and only if they still hold nothing but their listed files and no
+process holds them: every loaded `Engine` holds its bundle (`hold`: a shared lock on its manifest, let go when the
+engine or its process ends), so a worker still draining on an older bundle keeps it until it exits; the next
+install prunes it then.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import tempfile
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 from cosyedge.device.bundle import MANIFEST, Bundle, only_listed_files
 from cosyedge.device.errors import BundleError, InputError
@@ -39,6 +42,18 @@ POINTERS = ("current", "previous")
 def store_dir(path: str | Path | None = None) -> Path:
     """`--store`, else `COSYEDGE_BUNDLE_STORE` (the appliance sets it), else `<state dir>/store`."""
     return Path(path or os.environ.get(STORE_ENV) or state_dir() / "store")
+
+
+def hold(root: Path) -> IO[bytes] | None:
+    """Mark the bundle at `root` in use for as long as the returned file stays open: a shared lock on its manifest,
+    opened read-only (the service cannot write the store). `install` never prunes a held entry. None where the
+    manifest cannot be opened (then nothing is held)."""
+    try:
+        handle = (root / MANIFEST).open("rb")
+    except OSError:
+        return None
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    return handle
 
 
 def copy_bundle(source: Path, dest: Path) -> Bundle:
@@ -173,18 +188,24 @@ class BundleStore:
 
     def _prune(self, entries: dict[str, dict]) -> None:
         """Remove installed entries that are neither current nor previous; a folder that holds anything besides
-        its bundle's files (or is not in the index) is left alone."""
+        its bundle's files (or is not in the index), or that a process holds (`hold`), is left alone."""
         keep = {self.pointer(name) for name in POINTERS}
         for entry in [e for e in entries if e not in keep]:
             folder = self.root / entry
             files = only_listed_files(folder) if folder.is_dir() and not folder.is_symlink() else None
             if files is None:
                 continue
-            for path in files:
-                path.unlink()
-            for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                sub.rmdir()
-            folder.rmdir()
+            with (folder / MANIFEST).open("rb") as manifest:
+                try:  # held through the removal: no engine starts holding it meanwhile
+                    fcntl.flock(manifest, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # an engine (a draining worker) still uses it
+                for path in files:
+                    path.unlink()
+                for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), key=lambda p: len(p.parts),
+                                  reverse=True):
+                    sub.rmdir()
+                folder.rmdir()
             del entries[entry]
         self._save(entries)
 

@@ -10,13 +10,14 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Collection, Iterator, Sequence
+from typing import IO, Collection, Iterator, Sequence
 
 import numpy as np
 
 from cosyedge.device import families, request
 from cosyedge.device.audio import AudioSegment, to_audio_segment
 from cosyedge.device.bundle import PRECISIONS, TARGETS, Bundle
+from cosyedge.device.bundle_store import hold
 from cosyedge.device.errors import (BundleError, Cancelled, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError,
                                     ReservedVoiceNameError, TextTooLongError, UnknownPresetError, UnknownVoiceError,
                                     VoiceExistsError)
@@ -91,6 +92,7 @@ class Engine:
     def __init__(self, bundle: Bundle, pipeline: Pipeline, precision: str, limits: BatchLimits | None = None,
                  state_dir: Path | None = None) -> None:
         self.bundle = bundle
+        self._held: IO[bytes] | None = None  # Engine.load's hold on the bundle (bundle_store.hold)
         self.pipeline = pipeline
         self.precision = precision  # the selection actually loaded: a precision or a target name
         self.limits = limits or BatchLimits()
@@ -112,10 +114,12 @@ class Engine:
         sessions = sessions or SessionConfig.from_env()
         if bundle_path is None:
             bundle_path = families.default_bundle()
+        held = hold(Path(bundle_path))  # from before its files are read: `bundle install` never prunes it meanwhile
         chosen = choose_graphs(Bundle.load(bundle_path, verify=False), precision, target, sessions)
         bundle = Bundle.load(bundle_path, precision=chosen)
         engine = cls(bundle, families.load_pipeline(bundle, chosen, sessions), chosen, limits,
                      Path(state_dir) if state_dir else None)
+        engine._held = held  # for as long as this engine lives
         engine._load_registered_voices(strict_voices)
         if warmup:
             engine.warmup()

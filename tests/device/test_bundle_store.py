@@ -2,6 +2,7 @@
 pointer, the previous bundle kept, only this tool's entries pruned."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import pytest
 
 from cosyedge.device.bundle import MANIFEST, Bundle
 from cosyedge.device.bundle_store import BundleStore
+from cosyedge.device.engine import Engine
 from cosyedge.device.errors import BundleError, InputError
 
 
@@ -126,6 +128,23 @@ def test_prune_removes_only_this_tools_retired_entries(bundles, tmp_path):
     assert result["current_sha256"] == bundle_hash(bundles[2]) and result["previous_sha256"] == bundle_hash(bundles[0])
     assert len(result["entries"]) == 2  # the retired middle one was pruned
     assert (root / "my-own-folder" / "notes.txt").read_text() == "mine"
+
+
+def test_prune_keeps_an_entry_a_loaded_engine_still_holds(bundles, tmp_path):
+    """A worker draining on an older bundle (serve reloads when `current` moves) may still read its files: while
+    an engine holds an entry, installs that retire it leave it; once the engine is gone, the next install prunes it."""
+    root = tmp_path / "store"
+    store = BundleStore(root)
+    oldest = store.install(bundles[0], load_check=False)["current"]
+    engine = Engine.load(root / "current", warmup=False)  # what the service loads
+    store.install(bundles[1], load_check=False)
+    store.install(bundles[2], load_check=False)  # the oldest is neither current nor previous now
+    assert (root / oldest / MANIFEST).is_file() and oldest in store.entries()
+    assert engine.bundle.sha256 == bundle_hash(bundles[0])
+    del engine
+    gc.collect()
+    result = store.install(bundles[1], load_check=False)
+    assert not (root / oldest).exists() and oldest not in result["entries"]
 
 
 def test_the_cli_refuses_a_corrupt_bundle_in_one_line(bundles, tmp_path):
