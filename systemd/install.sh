@@ -44,13 +44,21 @@ fi
 mkdir -p "$PREFIX"
 PREFIX="$(cd "$PREFIX" && pwd)"
 VENV="$PREFIX/venv"
+MARKER="$VENV/.cosyedge-appliance"  # this installer made the venv: only then is it upgraded, or replaced
 
-# The venv: made without ensurepip (Debian ships it separately), pip itself comes from the wheelhouse.
+# The venv: made without ensurepip (Debian ships it separately), pip itself comes from the wheelhouse. A venv (or
+# anything) at PREFIX/venv that this installer did not make is a user's: nothing is installed into it nor removed.
+# An install from before the marker is known by the appliance.json it copied into the prefix.
+if [ -e "$VENV" ] || [ -L "$VENV" ]; then
+    [ -f "$MARKER" ] || { [ -f "$PREFIX/appliance.json" ] && [ -x "$VENV/bin/python" ]; } \
+        || die "$VENV exists and was not made by install.sh: nothing was changed; move it or give another --prefix"
+fi
 if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -c \
         "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$PYVER'.split('.'))))" 2>/dev/null; then
     rm -rf "$VENV"  # made by an earlier run for another Python: it holds only installed packages
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv --without-pip "$VENV"
+: > "$MARKER"
 export PIP_NO_INDEX=1 PIP_FIND_LINKS="$HERE/wheels" PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 \
     PIP_CONFIG_FILE=/dev/null PIP_ROOT_USER_ACTION=ignore
 PIP_WHEEL="$(ls "$HERE"/wheels/pip-*.whl)"
