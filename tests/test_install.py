@@ -96,3 +96,30 @@ def test_installed_project_imports_only_under_cosyedge(tmp_path, editable):
     cli = subprocess.run([str(python.parent / "cosyedge"), "--help"], capture_output=True, text=True, timeout=300,
                          cwd=outside, env=env)
     assert cli.returncode == 0 and all(c in cli.stdout for c in ("synth", "bench", "quantize", "serve")), cli.stderr[-2000:]
+
+
+
+def test_constraints_pin_versions_the_project_accepts_and_gunicorn_one_major_version():
+    """`constraints.txt` pins what a box installs; each pin must satisfy pyproject.toml's own requirement (else pip
+    refuses the pair). gunicorn is bounded to the major version `api/front.py` was written against: the front
+    worker subclasses gthread's worker and reads its connection and parser internals, which a major release may
+    change under it."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in (*project["dependencies"], *sum(project["optional-dependencies"].values(),
+                                                                               []))]
+    pins = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        if line.split("#")[0].strip():
+            pin = Requirement(line.split("#")[0].strip())
+            pins[canonicalize_name(pin.name)] = next(iter(pin.specifier)).version
+    refused = [f"{r} (pinned {pins[canonicalize_name(r.name)]})" for r in requirements
+               if canonicalize_name(r.name) in pins and not r.specifier.contains(pins[canonicalize_name(r.name)])]
+    assert not refused
+    gunicorn = next(r.specifier for r in requirements if r.name == "gunicorn")
+    assert gunicorn.contains(pins["gunicorn"]) and gunicorn.contains(importlib.metadata.version("gunicorn"))
+    assert not gunicorn.contains("28.0") and not gunicorn.contains("26.9")
