@@ -12,6 +12,7 @@ import json
 import secrets
 import threading
 from dataclasses import replace
+from itertools import takewhile
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -24,7 +25,7 @@ from cosyedge.device.sessions import SessionConfig
 from cosyedge.device.text import VITS_MAX_IDS, cut_to_bound
 from cosyedge.device.vits.layout import NCHWC_THREADS_MAX
 from cosyedge.device.vits.noise import SEED_INPUT
-from cosyedge.device.vits.words import WordSpan, word_spans
+from cosyedge.device.vits.words import WordSpan, id_starts, word_spans
 
 
 class VitsPipeline(Pipeline):
@@ -100,26 +101,39 @@ class VitsPipeline(Pipeline):
         return any(p.isalpha() for p in phonemes)
 
     def _bounded(self, sentences: list[list[str]], limit: int) -> list[list[str]]:
-        """Each sentence whose ids would pass `limit` cut into pieces (after a clause, else at a word, else between
-        phonemes), without the spaces at their cuts; a sentence that fits stays as piper speaks it."""
-        out = []
-        for phonemes in sentences:
-            pieces = cut_to_bound(phonemes, limit, self._id_count)
-            out += [phonemes] if len(pieces) == 1 else [list("".join(piece).strip(" ")) for piece in pieces]
-        return out
+        """Each sentence whose ids would pass `limit` cut into pieces (`_cuts`)."""
+        return [piece for phonemes in sentences for _, piece in self._cuts(phonemes, limit)]
+
+    def _cuts(self, phonemes: Sequence[str], limit: int) -> list[tuple[int, list[str]]]:
+        """A sentence whose ids would pass `limit` cut into pieces (after a clause, else at a word, else between
+        phonemes), without the spaces at their cuts, each with the index of its first phoneme; a sentence that fits
+        stays as piper speaks it."""
+        pieces = cut_to_bound(phonemes, limit, self._id_count)
+        if len(pieces) == 1:
+            return [(0, list(phonemes))]
+        cuts, start = [], 0
+        for piece in pieces:
+            lead = next((i for i, phoneme in enumerate(piece) if phoneme != " "), len(piece))
+            cuts.append((start + lead, list("".join(piece).strip(" "))))
+            start += len(piece)
+        return cuts
 
     def _id_count(self, phonemes: Sequence[str]) -> int:
         """The ids `phonemes_to_ids` makes: BOS, pad, each known phoneme's ids and a pad, EOS."""
         return 3 + sum(len(self._id_map[p]) + 1 for p in phonemes if p in self._id_map)
 
-    def _pieces(self, segment: Segment, speed: float) -> list[Segment]:
+    def _pieces(self, segment: Segment, speed: float) -> list[tuple[int, Segment]]:
         """A segment cut to one call's bound at this speed: a slower speed makes more frames per id, so the bound
-        shrinks with it (a call's memory follows its frames); a segment of `segments` holds its phonemes."""
+        shrinks with it (a call's memory follows its frames); a segment of `segments` holds its phonemes. Each
+        piece comes with the index of its first phoneme in the segment's."""
         limit = max(16, int(VITS_MAX_IDS * min(1.0, speed)))
         if len(segment.ids) <= limit:
-            return [segment]
-        pieces = [p for p in self._bounded([list(segment.text)], limit) if self._speakable(p)]
-        return self._segments(pieces) if pieces else [segment]
+            return [(0, segment)]
+        cuts = [(start, phonemes) for start, phonemes in self._cuts(list(segment.text), limit)
+                if self._speakable(phonemes)]
+        if not cuts:
+            return [(0, segment)]
+        return list(zip((start for start, _ in cuts), self._segments([phonemes for _, phonemes in cuts])))
 
     def _segments(self, sentences: list[list[str]], words: list[tuple[WordSpan, ...]] | None = None,
                   ) -> list[Segment]:
@@ -134,23 +148,47 @@ class VitsPipeline(Pipeline):
         pieces = [self._pieces(segment, options.speed) for segment in segments]
         if all(len(p) == 1 for p in pieces):
             return self._run(segments, options, ["output", "frames"])[0]
-        return [np.concatenate([self._run([piece], options, ["output", "frames"])[0][0] for piece in parts])
+        return [np.concatenate([self._run([piece], options, ["output", "frames"])[0][0] for _, piece in parts])
                 for parts in pieces]
 
     def synthesize_words(self, segments: Sequence[Segment], options: SynthesisOptions, batch_max: int,
                          ) -> list[tuple[np.ndarray, tuple[Word, ...]]]:
-        """One model call per segment, as `synthesize_many` makes them (`batch_ids_max = 0`); a word's times are
-        the summed frames of the phoneme ids before its first id and through its last, in seconds."""
+        """One model call per piece of each segment (`_pieces`, as `synthesize` and `stream` cut them at this
+        speed), so the audio is theirs; the words timed by `_timed_pieces`."""
         if not self._timed:
             return super().synthesize_words(segments, options, batch_max)
         timed = []
         for segment in segments:
-            (wave,), durations = self._run([segment], options, ["output", "frames", "durations"])
-            edges = np.concatenate([[0.0], np.cumsum(durations[0].reshape(-1)[: len(segment.ids)], dtype=np.float64)])
-            seconds = edges * (self._hop / self.sample_rate)
-            timed.append((wave, tuple(Word(text, float(seconds[start]), float(seconds[end]))
-                                      for text, start, end in segment.words)))
+            chunks = list(self._timed_pieces(segment, options))
+            timed.append((np.concatenate([wave for wave, _ in chunks]), tuple(w for _, words in chunks for w in words)))
         return timed
+
+    def _timed_pieces(self, segment: Segment, options: SynthesisOptions, stop: threading.Event | None = None,
+                      ) -> Iterator[tuple[np.ndarray, tuple[Word, ...]]]:
+        """Each piece's waveform with the words it completes, timed from the segment's first sample: a word's times
+        are the summed frames of the phoneme ids before its first id and through its last, in seconds. A piece's
+        phonemes are the segment's and its ids laid out alike, so its `durations` land on the segment's ids; its
+        own start (BOS, pad) and end (EOS) frames go to the ids just before and after it, so the times never go
+        back and add up to the audio. Once `stop` is set no further piece is made."""
+        starts = id_starts(segment.text, self._id_map)
+        frames = np.zeros(len(segment.ids), dtype=np.float64)
+        pieces, done, before = self._pieces(segment, options.speed), 0, 0
+        for index, (offset, piece) in enumerate(pieces):
+            if stop is not None and stop.is_set():
+                return
+            (wave,), durations = self._run([piece], options, ["output", "frames", "durations"])
+            spent = durations[0].reshape(-1)[: len(piece.ids)].astype(np.float64)
+            own = id_starts(piece.text, self._id_map)
+            first, last = starts[offset], starts[offset + len(piece.text)]
+            frames[first:last] += spent[own[0]:own[-1]]
+            frames[max(first - 1, before)] += spent[: own[0]].sum()
+            frames[last] += spent[own[-1]:].sum()
+            before = last
+            seconds = np.concatenate([[0.0], np.cumsum(frames)]) * (self._hop / self.sample_rate)
+            final = index == len(pieces) - 1
+            ready = list(takewhile(lambda word: final or word[2] <= last, segment.words[done:]))
+            done += len(ready)
+            yield wave, tuple(Word(text, float(seconds[start]), float(seconds[end])) for text, start, end in ready)
 
     def _run(self, segments: Sequence[Segment], options: SynthesisOptions, outputs: list[str],
              ) -> tuple[list[np.ndarray], np.ndarray | None]:
@@ -175,14 +213,16 @@ class VitsPipeline(Pipeline):
         return waves, (durations[0] if durations else None)
 
     def stream(self, segment: Segment, options: SynthesisOptions) -> Iterator[np.ndarray]:
-        for piece in self._pieces(segment, options.speed):
+        for _, piece in self._pieces(segment, options.speed):
             yield self._run([piece], options, ["output", "frames"])[0][0]
 
     def stream_words(self, segment: Segment, options: SynthesisOptions, stop: threading.Event | None,
                      batch_max: int) -> Iterator[tuple[np.ndarray, tuple[Word, ...]]]:
-        """A segment is one chunk (as `stream`), so its words come with it."""
-        if stop is None or not stop.is_set():
-            yield self.synthesize_words([segment], options, batch_max)[0]
+        """A piece is one chunk (as `stream`), with the words it completes."""
+        if not self._timed:
+            yield from super().stream_words(segment, options, stop, batch_max)
+            return
+        yield from self._timed_pieces(segment, options, stop)
 
     def check_options(self, options: SynthesisOptions) -> None:
         """A seed needs a graph that takes one; an older bundle's graph draws its own noise, which no seed reaches

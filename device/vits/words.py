@@ -80,7 +80,7 @@ def align(a: Sequence[str], b: Sequence[str], band: int = _BAND) -> list[int]:
     return pairs
 
 
-def _id_starts(phonemes: Sequence[str], id_map: Mapping[str, Sequence[int]]) -> list[int]:
+def id_starts(phonemes: Sequence[str], id_map: Mapping[str, Sequence[int]]) -> list[int]:
     """Where each phoneme's ids start in the sentence's id sequence, and (last) where the sentence's phonemes end:
     the layout of piper's `phonemes_to_ids` (BOS, pad, then each known phoneme's ids and a pad, then EOS)."""
     position = len(id_map[BOS]) + len(id_map[PAD])
@@ -126,7 +126,7 @@ def word_spans(sentences: Sequence[Sequence[str]], tokens: Sequence[str], isolat
     places: dict[int, tuple[int, int, int]] = {}  # token -> (sentence, first id, end id)
     cursor = 0
     for s, sentence in enumerate(sentences):
-        starts = _id_starts(sentence, id_map)
+        starts = id_starts(sentence, id_map)
         count = sum(1 for p in sentence if _spoken(p) and p not in _STRESS)
         owners = _owners(sentence, letter_tokens[cursor:cursor + count])
         cursor += count

@@ -6,6 +6,7 @@ tests/api/test_memory_bounds.py.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from cosyedge.device.engine import Engine
@@ -77,9 +78,33 @@ def test_a_slow_vits_request_is_cut_finer_so_its_calls_stay_bounded(default_engi
     segment = max(default_engine.segments(HOSTILE["commas"]), key=lambda s: len(s.ids))
     pipeline = default_engine.pipeline
     assert len(segment.ids) > VITS_MAX_IDS // 2
-    assert [segment] == pipeline._pieces(segment, 1.0) == pipeline._pieces(segment, 2.0)
-    slow = pipeline._pieces(segment, 0.25)
+    assert [(0, segment)] == pipeline._pieces(segment, 1.0) == pipeline._pieces(segment, 2.0)
+    slow = [piece for _, piece in pipeline._pieces(segment, 0.25)]
     assert len(slow) >= 4 and max(len(p.ids) for p in slow) <= VITS_MAX_IDS // 4
+
+
+def test_a_slow_vits_request_with_words_is_cut_into_the_same_pieces(default_engine):
+    """The word paths (whole and streamed) make the calls `synthesize` makes at speed 0.5, so the audio is the
+    same; the words' times never go back and stay inside it."""
+    text = ("the old man walked slowly down the road with his dog, and the children ran after them "
+            "singing songs about the river and the mill near the village where everyone knew each other")
+    segments = default_engine.segments(text, words=True)
+    assert len(segments) == 1 and len(default_engine.pipeline._pieces(segments[0], 0.5)) > 1  # cut only when slow
+    plain = default_engine.synthesize_waveform(text, speed=0.5, seed=7)
+    wave, words = default_engine.synthesize_words(text, speed=0.5, seed=7)
+    assert np.array_equal(wave, plain)
+    assert [w.text for w in words] == text.split()
+    duration = wave.size / default_engine.sample_rate
+    assert all(0 <= w.start_s <= w.end_s <= duration for w in words)
+    assert all(a.end_s <= b.start_s for a, b in zip(words, words[1:]))
+    assert words[-1].end_s > 0.8 * duration  # spread over the whole audio, not the first piece's
+    chunks = list(default_engine.stream_words(segments, default_engine.options(speed=0.5, seed=7)))
+    assert len(chunks) > 1 and np.array_equal(np.concatenate([chunk for chunk, _ in chunks]), plain)
+    assert [w for _, chunk_words in chunks for w in chunk_words] == words
+    sent = 0
+    for chunk, chunk_words in chunks:  # a word comes with the chunk that completes it
+        sent += chunk.size
+        assert all(w.end_s <= sent / default_engine.sample_rate for w in chunk_words)
 
 
 @pytest.mark.parametrize("case", list(HOSTILE) + ["digits480"])
