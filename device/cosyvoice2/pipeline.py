@@ -118,6 +118,7 @@ class CosyVoicePipeline(Pipeline):
         if not self._voices:
             raise BundleError(f"bundle {bundle.root.name!r} has no voices; re-create the bundle")
         self._bundle_voices = frozenset(self._voices)
+        self._voices_lock = threading.Lock()  # registrations and removals from request threads: none is lost
         self._bundle = bundle
         self._session_config = sessions
         self._prompt_models: tuple[Any, Any] | None = None
@@ -134,7 +135,12 @@ class CosyVoicePipeline(Pipeline):
 
     # -- Pipeline contract ------------------------------------------------------------------
     def voices(self) -> list[str]:
-        return list(self._voices)
+        with self._voices_lock:
+            return list(self._voices)
+
+    def _voice(self, name: str) -> Voice | None:
+        with self._voices_lock:
+            return self._voices.get(name)
 
     def presets(self) -> list[str]:
         return list(self._presets)
@@ -345,7 +351,7 @@ class CosyVoicePipeline(Pipeline):
     def describe(self) -> dict[str, Any]:
         return {"family": self.family, "precision": dict(self._precision),
                 "providers": {name: s.get_providers()[0] for name, s in self._sessions.items()},
-                "sample_rate": self.sample_rate, "voices": len(self._voices), "modes": list(self._parts.modes),
+                "sample_rate": self.sample_rate, "voices": len(self.voices()), "modes": list(self._parts.modes),
                 "llm_hidden_size": self._lm.hidden_size, "stream": asdict(self._schedule),
                 "presets": {name: p.to_config() for name, p in self._presets.items()},
                 "default_preset": self._default_preset, "presets_measured": self._presets_measured,
@@ -374,10 +380,12 @@ class CosyVoicePipeline(Pipeline):
         """Make a voice available to later requests (bundle voices cannot be replaced)."""
         if voice.name in self._bundle_voices:
             raise FixedVoicesError(f"voice {voice.name!r} is part of the bundle; choose another name")
-        self._voices = {**self._voices, voice.name: voice}  # a new dict: readers never see one being resized
+        with self._voices_lock:  # a new dict: an iteration of the old one never sees it resized
+            self._voices = {**self._voices, voice.name: voice}
 
     def voice_kind(self, name: str) -> str:
-        return self._voices[name].kind
+        with self._voices_lock:
+            return self._voices[name].kind
 
     def load_voice(self, name: str, path: Path) -> None:
         """A voice registered earlier (state directory), in the bundle's voice file format."""
@@ -386,7 +394,8 @@ class CosyVoicePipeline(Pipeline):
     def remove_voice(self, name: str) -> None:
         if name in self._bundle_voices:
             raise FixedVoicesError(f"voice {name!r} is part of the bundle and cannot be removed")
-        self._voices = {k: v for k, v in self._voices.items() if k != name}
+        with self._voices_lock:
+            self._voices = {k: v for k, v in self._voices.items() if k != name}
 
     def _prompt_sessions(self) -> tuple[Any, Any]:
         """CAM++ and the speech tokenizer, created on first use (CPU: the official code runs them there)."""
@@ -422,9 +431,9 @@ class CosyVoicePipeline(Pipeline):
                                     batch_max, stop)
 
     def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:
-        voice = self._voices.get(request.voice)
+        voice = self._voice(request.voice)
         if voice is None:
-            raise UnknownVoiceError(f"unknown voice {request.voice[:64]!r}; available: {', '.join(self._voices)}")
+            raise UnknownVoiceError(f"unknown voice {request.voice[:64]!r}; available: {', '.join(self.voices())}")
         instruct = request.instruct_text or ""
         mode = request.mode or ("instruct2" if instruct else None)
         if instruct and mode != "instruct2":

@@ -1,8 +1,11 @@
 """Zero-shot voices registered at run time: computed once, stored in the state directory, kept across restarts."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -116,3 +119,27 @@ def test_cli_voices_add_list_and_synth(cv2_tiny_bundle, golden_dir, tmp_path):
     assert sf.info(str(out)).frames > 0
     bad = cli("voices", "add", "x", "--wav", str(tmp_path / "missing.wav"), "--text", "hi", "--bundle", str(cv2_tiny_bundle))
     assert bad.returncode == 2 and "cannot be read" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_registration_while_a_removal_copies_the_voices_is_kept(cv2_tiny_bundle):
+    """Registration and removal each replace the voice map with a new one made from the old: unguarded, a voice
+    registered while a removal copies the map was dropped by the removal's write. The removal's copy is slowed
+    here so that the two overlap every time; the map's lock makes the registration wait for it."""
+    pipeline = _load(cv2_tiny_bundle).pipeline
+    builtin = pipeline.voices()[0]
+    leaving, arriving = (dataclasses.replace(pipeline._voice(builtin), name=name) for name in ("leaving", "arriving"))
+    pipeline.add_voice(leaving)
+
+    class SlowCopy(dict):
+        def items(self):
+            time.sleep(0.5)
+            return super().items()
+
+    pipeline._voices = SlowCopy(pipeline._voices)
+    removal = threading.Thread(target=pipeline.remove_voice, args=("leaving",))
+    removal.start()
+    time.sleep(0.1)  # the removal is copying the map
+    pipeline.add_voice(arriving)
+    removal.join(10)
+    assert "arriving" in pipeline.voices() and "leaving" not in pipeline.voices()
+    assert pipeline.voice_kind("arriving") == pipeline.voice_kind(builtin)
