@@ -21,6 +21,10 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "no
 PRECISIONS = ("auto", *ENGINE_PRECISIONS)  # numeric formats (the engine's list: one definition)
 TARGETS = ENGINE_TARGETS  # build targets of `cosyedge quantize`
 HTTP_THREADS_MAX = 1024
+# Wyoming connections open at once, at most: each is an open file, and the units allow 65,536 (LimitNOFILE); the
+# other half holds the HTTP worker's connections (4,160 at HTTP_THREADS_MAX), the engine's files, the journal and
+# ffmpeg's pipes (tests/api/test_api_systemd.py checks the units against it).
+WYOMING_CONNECTIONS_MAX = 32768
 API_KEY_MIN, API_KEY_MAX = 16, 512
 API_KEY = re.compile(r"[\x21-\x7e]{%d,%d}" % (API_KEY_MIN, API_KEY_MAX))  # what fits in `Bearer <key>` unquoted
 _HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62})(\.[a-z0-9]([a-z0-9-]{0,62}))*")
@@ -83,7 +87,9 @@ class ServiceConfig:
             (0 <= self.rate_limit_per_s and math.isfinite(self.rate_limit_per_s), "rate_limit_per_s must be >= 0"),
             (self.rate_limit_burst >= 1, "rate_limit_burst must be >= 1"),
             (1 <= self.max_streams_per_client <= 10000, "max_streams_per_client must be 1-10000"),
-            (1 <= self.wyoming_max_connections <= 100000, "wyoming_max_connections must be 1-100000"),
+            (1 <= self.wyoming_max_connections <= WYOMING_CONNECTIONS_MAX,
+             f"wyoming_max_connections must be 1-{WYOMING_CONNECTIONS_MAX} (each is an open file; the units allow "
+             "65536)"),
             (0 < self.wyoming_idle_timeout_s <= 86400, "wyoming_idle_timeout_s must be in (0, 86400]"),
             (self.wyoming_uri is None or self.wyoming_uri.startswith("tcp://"), "wyoming_uri must be tcp://HOST:PORT"),
             (0 <= self.cache_max_mb <= 1_000_000 and math.isfinite(self.cache_max_mb), "cache_max_mb must be 0-1000000"),

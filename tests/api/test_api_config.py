@@ -36,10 +36,17 @@ def test_instance_offsets_port_and_env_aliases():
     ({"COSYEDGE_QUEUE_SIZE": "0"}, "queue_size"),
     ({"COSYEDGE_PRECISION": "fp64"}, "precision"),
     ({"COSYEDGE_VOICE_ALIASES": "alloy"}, "name=voice"),
+    ({"COSYEDGE_WYOMING_MAX_CONNECTIONS": "65536"}, "wyoming_max_connections must be 1-32768"),  # the units' files
 ])
 def test_invalid_values_are_named(env, words):
     with pytest.raises(ConfigError, match=words):
         load_config(env=env)
+
+
+def test_wyoming_connections_stay_below_the_units_open_files():
+    assert load_config(env={"COSYEDGE_WYOMING_MAX_CONNECTIONS": "32768"}).wyoming_max_connections == 32768
+    with pytest.raises(ConfigError, match="each is an open file"):
+        ServiceConfig(wyoming_max_connections=32769)
 
 
 def test_unknown_key_and_bad_toml(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyedge.api.config import HTTP_THREADS_MAX
+from cosyedge.api.config import HTTP_THREADS_MAX, WYOMING_CONNECTIONS_MAX
 from cosyedge.api.sdnotify import notify, watchdog_interval
 from cosyedge.api.server import worker_connections
 
@@ -135,9 +135,10 @@ SYSTEMD_SOFT_NOFILE = 1024  # systemd's default soft limit of open files, where 
 def test_units_allow_the_open_files_the_service_can_hold(unit):
     """Issue 21 item 5: under systemd's default 1,024 open files, 1,030 idle Wyoming connections made gunicorn's
     accept fail with EMFILE (the worker respawned, /readyz 503). Every unit raises the limit above what one
-    process can hold: the HTTP worker's connection bound at the largest http_threads, twice (as many Wyoming
-    connections beside it), plus the default's 1,024 for the engine's files, the journal and ffmpeg's pipes."""
+    process can hold: the HTTP worker's connection bound at the largest http_threads, the most Wyoming connections
+    the configuration accepts beside it, plus the default's 1,024 for the engine's files, the journal and ffmpeg's
+    pipes."""
     lines = [line.strip() for line in (REPO / "systemd" / unit).read_text().splitlines()]
     values = [line.split("=", 1)[1] for line in lines if line.startswith("LimitNOFILE=")]
     limit = int(values[-1].split(":")[0]) if values else SYSTEMD_SOFT_NOFILE
-    assert limit >= 2 * worker_connections(HTTP_THREADS_MAX) + SYSTEMD_SOFT_NOFILE, (unit, limit)
+    assert limit >= WYOMING_CONNECTIONS_MAX + worker_connections(HTTP_THREADS_MAX) + SYSTEMD_SOFT_NOFILE, (unit, limit)
