@@ -155,11 +155,14 @@ def encode_wave(wave: np.ndarray, rate: int, fmt: str, out_rate: int | None = No
 
 
 def _ffmpeg_args(fmt: str, sample_rate: int, source: str, output: list[str]) -> list[str]:
-    """ffmpeg reading pcm16 mono at `sample_rate` from `source` and encoding it as `fmt` (`CODECS`) to `output`."""
+    """ffmpeg reading pcm16 mono at `sample_rate` from `source` and encoding it as `fmt` (`CODECS`) to `output`.
+
+    The input is fully described, so ffmpeg is told not to probe it: by default it holds back the first ~2 s of a
+    pipe's audio to analyse it, which delays a stream's first encoded bytes by that much."""
     codec = CODECS[fmt]
     bitrate = ("-b:a", codec.bitrate) if codec.bitrate else ()
-    return [ffmpeg_binary(), "-hide_banner", "-loglevel", "error", "-f", "s16le", "-ar", str(sample_rate), "-ac", "1",
-            "-i", source, "-ar", str(codec_rate(fmt, sample_rate)), "-c:a", codec.encoder, *bitrate, *output]
+    return [ffmpeg_binary(), "-hide_banner", "-loglevel", "error", "-probesize", "32", "-analyzeduration", "0",
+            "-f", "s16le", "-ar", str(sample_rate), "-ac", "1", "-i", source, "-ar", str(codec_rate(fmt, sample_rate)), "-c:a", codec.encoder, *bitrate, *output]
 
 
 def encode_pcm_file(source: Path, sample_rate: int, fmt: str, target: Path) -> None:

@@ -35,6 +35,20 @@ def _streamed(fmt: str, wave: np.ndarray) -> bytes:
 
 
 @pytest.mark.parametrize("fmt", sorted(CODECS))
+def test_a_stream_encodes_its_first_chunk_before_more_audio_comes(fmt: str):
+    """A stream's first half second comes out of ffmpeg while the encoder still waits for the rest (ffmpeg's default
+    input probing held back ~2 s of audio: a streamed mp3's first bytes came only after the whole sentence)."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    encoder = FfmpegEncoder(fmt, RATE, events.put)
+    try:
+        encoder.write(to_pcm16(0.3 * np.sin(2 * np.pi * 220 * np.arange(RATE // 2) / RATE)))
+        kind, data = events.get(timeout=30)  # stdin stays open: without the fix nothing comes until more audio
+        assert kind == "data" and data
+    finally:
+        encoder.close()
+
+
+@pytest.mark.parametrize("fmt", sorted(CODECS))
 def test_whole_file_and_stream_share_codec_and_rate(fmt: str):
     t = np.arange(3 * RATE) / RATE
     wave = (0.3 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 3 * t)) / 2).astype(np.float32)
