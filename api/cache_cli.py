@@ -13,6 +13,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from cosyedge.device.engine import TARGETS
 from cosyedge.device.errors import InputError
 from cosyedge.device.request import CACHE_WARM, add_flags, add_in_flight, check_in_flight
 
@@ -103,7 +104,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     warm_parser.add_argument("phrases")
     warm_parser.add_argument("--bundle", help="bundle directory (default: the service's)")
     warm_parser.add_argument("--precision", help="fp32, fp16, int8, int4 or auto (default: the service's)")
-    warm_parser.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
+    warm_parser.add_argument("--target", choices=TARGETS)
     add_flags(warm_parser, CACHE_WARM)  # the request declaration's fields, as a request would send them
     add_in_flight(warm_parser)
     warm_parser.add_argument("--quiet", action="store_true", help="no progress bar")

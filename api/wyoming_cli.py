@@ -8,6 +8,7 @@ import asyncio
 import logging
 import signal
 
+from cosyedge.device.engine import TARGETS
 from cosyedge.device.errors import InputError
 from cosyedge.device.request import WYOMING, add_flags
 
@@ -57,6 +58,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="the service's TOML file (bundle, precision, state directory)")
     p.add_argument("--bundle", help="bundle directory (default: the embedded default voice)")
     p.add_argument("--precision", help="fp32, fp16, int8, int4 or auto")
-    p.add_argument("--target", choices=("cpu", "gpu-fp16", "trt-int8"))
+    p.add_argument("--target", choices=TARGETS)
     add_flags(p, WYOMING)  # the defaults of every request (the request declaration's Wyoming door)
     p.set_defaults(func=cmd_wyoming)

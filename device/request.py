@@ -251,7 +251,7 @@ def add_flags(parser: argparse.ArgumentParser, door: str) -> None:
 def cli_values(args: argparse.Namespace, door: str, **given: Any) -> dict[str, Any]:
     """The flags `add_flags` added, as `parse` takes them (an unset flag is absent), plus `given` (e.g. text)."""
     values = {f.name: getattr(args, f.name) for f in fields(door) if f.flag is not None}
-    return {**{k: v for k, v in values.items() if v not in (None, False)}, **given}
+    return {**{k: v for k, v in values.items() if v is not None and v is not False}, **given}  # 0 is a value
 
 
 IN_FLIGHT_MAX = 256  # lines of a batch command in the engine at once (each holds a thread and a few sentences)

@@ -169,6 +169,14 @@ def test_every_flag_of_a_cli_door_is_a_declared_field_and_honoured(engine, door)
             pytest.fail(f"{door}: {field.flag} {bad!r} was accepted")
 
 
+@pytest.mark.parametrize("door", list(CLI_COMMANDS))
+def test_a_zero_on_a_cli_door_is_a_value_not_an_absent_flag(engine, door):
+    """`--seed 0` is seed 0 (0 == False once made the flag look unset: a random seed instead)."""
+    if "seed" not in declaration.BY_NAME or door not in declaration.BY_NAME["seed"].doors:
+        pytest.fail(f"{door}: no --seed flag to check")
+    assert _landed(_cli_door(door, engine)({"seed": 0}), "seed") == 0, door
+
+
 def test_a_field_added_to_the_declaration_reaches_every_door(engine, monkeypatch):
     """A new field declared for /v1/tts only: the OpenAPI document lists it there and nowhere else, every other
     door refuses it with unknown_field, and a field that lands nowhere is a loud error, never silently dropped."""

@@ -177,3 +177,14 @@ def test_every_command_has_a_help_page():
     from cosyedge.device.cli import build_parser
     pages = [p.format_help() for p in _parsers(build_parser())]
     assert len(pages) > 10 and all("usage:" in page for page in pages)
+
+
+def test_every_target_flag_offers_every_build_target():
+    """`--target` of every command that checks it takes the bundle's whole target list (wyoming and cache warm
+    lacked cpu-int4)."""
+    from cosyedge.device.bundle import TARGETS
+    from cosyedge.device.cli import build_parser
+    offered = {p.prog: tuple(a.choices) for p in _parsers(build_parser()) for a in p._actions
+               if "--target" in a.option_strings and a.choices}
+    assert {"cosyedge wyoming", "cosyedge cache warm", "cosyedge synth"} <= set(offered), offered
+    assert {prog: choices for prog, choices in offered.items() if choices != tuple(TARGETS)} == {}
