@@ -53,6 +53,7 @@ def audio_body(stream: Stream, first: Chunk | None, fmt: str, resample: Resample
         pass
     except CosyedgeError as exc:  # the engine or the encoder failed: the stream ends short, the failure is recorded
         finished = True
+        stream.close()  # an encoder failure leaves the job going: withdraw it (an engine failure ended it already)
         on_failure(exc)
     finally:
         if not finished:

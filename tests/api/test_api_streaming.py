@@ -3,9 +3,14 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import time
+from pathlib import Path
 
 import numpy as np
+
+import requests
 
 from apitools import api_config, decode, run_server, streaming_client
 
@@ -51,6 +56,39 @@ def test_a_client_leaving_between_chunks_is_noticed_by_the_probe(fault_engine, f
         _wait_for(lambda: srv.metric("cosyedge_in_flight") == 0, "the stream still holds its place")
         _wait_for(lambda: srv.service.door.in_flight() == 0, "the engine still has the job")
         assert srv.metric("cosyedge_stream_segments_skipped_total") == 6  # the held one and the five after it
+        assert srv.metric("cosyedge_batches_total") == 1 + 2  # warm-up, then the two sentences: nothing more
+
+
+def _child_encoders() -> list[int]:
+    """PIDs of the ffmpeg processes this test process started (the in-process server's stream encoders)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+        except OSError:
+            continue
+        name, fields = rest.rsplit(") ", 1)
+        if name == "ffmpeg" and int(fields.split()[1]) == os.getpid():
+            found.append(int(pid))
+    return found
+
+
+def test_an_encoder_failure_mid_stream_withdraws_the_job(fault_engine, fault_pipeline, tmp_path):
+    """A streamed mp3 whose ffmpeg dies while the second sentence is held: the body ends short, the request is
+    dead-lettered, and the job is withdrawn (the engine renders nothing more for it once the sentence is let go)."""
+    fault_pipeline.free = 1
+    text = "Hold the first sentence. " + " ".join(f"Sentence {i} is here." for i in range(6))
+    with run_server(api_config(tmp_path), fault_engine) as srv:
+        with requests.post(srv.url + "/v1/tts", json={"text": text, "stream": True, "format": "mp3"}, stream=True,
+                           timeout=60) as response:
+            assert response.status_code == 200 and fault_pipeline.holding.wait(30), "the second sentence never started"
+            _wait_for(lambda: len(_child_encoders()) == 1, "no stream encoder")
+            os.kill(_child_encoders()[0], signal.SIGKILL)
+            response.raw.read()  # the body ends short
+        assert "encod" in (tmp_path / "api_dead_letter.jsonl").read_text()
+        fault_pipeline.release.set()
+        _wait_for(lambda: srv.service.door.in_flight() == 0, "the engine still has the job")
+        _wait_for(lambda: srv.metric("cosyedge_in_flight") == 0, "the stream still holds its place")
         assert srv.metric("cosyedge_batches_total") == 1 + 2  # warm-up, then the two sentences: nothing more
 
 
