@@ -17,6 +17,7 @@ from flask import request
 
 from cosyedge.api.errors import ApiError
 from cosyedge.device import request as declaration
+from cosyedge.device.audio import codec_rate
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import CosyedgeError, InputError
 from cosyedge.device.options import Segment, SynthesisOptions
@@ -39,7 +40,8 @@ class Speech:
     sample_rate: int | None = None  # None: the voice's own rate
 
     def rate(self, voice_rate: int) -> int:
-        return self.sample_rate or voice_rate
+        """The rate delivered: as `Request.rate` (the codec's rate next to the one asked for)."""
+        return codec_rate(self.format, self.sample_rate or voice_rate)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class Batch:
     sample_rate: int | None = None
 
     def rate(self, voice_rate: int) -> int:
-        return self.sample_rate or voice_rate
+        """The rate delivered: as `Request.rate` (the codec's rate next to the one asked for)."""
+        return codec_rate(self.format, self.sample_rate or voice_rate)
 
 
 # -- the JSON body ---------------------------------------------------------------------------------

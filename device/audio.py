@@ -41,18 +41,21 @@ SAMPLE_RATES = (8000, 48000)  # the output rates a request may ask for (resample
 
 @dataclass(frozen=True)
 class Codec:
-    """A compressed format's ffmpeg settings: container (`-f`), encoder, bitrate, and the container options a
-    stream needs that a whole file does not (a pipe cannot seek back to write headers)."""
+    """A compressed format's ffmpeg settings: container (`-f`), encoder, bitrate, the container options a stream
+    needs that a whole file does not (a pipe cannot seek back to write headers), and the sample rates the encoder
+    takes (None: any; ffmpeg would silently pick another, and the response would name the wrong rate)."""
     container: str
     encoder: str
     bitrate: str | None = None
     streaming: tuple[str, ...] = ()
+    rates: tuple[int, ...] | None = None
 
 
+MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # libmp3lame and aac, up to 48 kHz
 CODECS = {
-    "mp3": Codec("mp3", "libmp3lame", "96k", ("-write_xing", "0")),
-    "opus": Codec("ogg", "libopus", "48k", ("-page_duration", "100000")),
-    "aac": Codec("adts", "aac", "96k"),
+    "mp3": Codec("mp3", "libmp3lame", "96k", ("-write_xing", "0"), MPEG_RATES),
+    "opus": Codec("ogg", "libopus", "48k", ("-page_duration", "100000"), OPUS_RATES),
+    "aac": Codec("adts", "aac", "96k", rates=MPEG_RATES),
     "flac": Codec("flac", "flac"),
 }
 
@@ -104,10 +107,12 @@ def check_sample_rate(rate: int | None) -> int | None:
 
 
 def codec_rate(fmt: str, sample_rate: int) -> int:
-    """The rate a format is encoded at: the audio's own, except where the codec allows only some (opus)."""
-    if fmt == "opus" and sample_rate not in OPUS_RATES:
-        return 48000 if sample_rate > 24000 else 24000
-    return sample_rate
+    """The rate a format is encoded at: the audio's own, or where the codec takes only some (mp3, aac, opus) the
+    next one up, so that no frequency of the audio is lost (22050 Hz is 24000 Hz in opus, 9000 Hz 11025 in mp3)."""
+    rates = CODECS[fmt].rates if fmt in CODECS else None
+    if rates is None or sample_rate in rates:
+        return sample_rate
+    return next((r for r in rates if r > sample_rate), rates[-1])
 
 
 def resample(wave: np.ndarray, rate: int, out_rate: int | None) -> np.ndarray:
@@ -150,8 +155,10 @@ def encode(segment: AudioSegment, fmt: str) -> bytes:
 
 
 def encode_wave(wave: np.ndarray, rate: int, fmt: str, out_rate: int | None = None) -> bytes:
-    """A float waveform at `rate`, encoded at `out_rate` (resampled; None: its own rate)."""
-    return encode(to_audio_segment(resample(wave, rate, out_rate), out_rate or rate), fmt)
+    """A float waveform at `rate`, encoded at `out_rate` (None: its own rate) or the codec's rate next to it
+    (`codec_rate`), resampled once here."""
+    target = codec_rate(fmt, out_rate or rate)
+    return encode(to_audio_segment(resample(wave, rate, target), target), fmt)
 
 
 def _ffmpeg_args(fmt: str, sample_rate: int, source: str, output: list[str]) -> list[str]:

@@ -183,7 +183,7 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, prog
             target = output(line)
             texts = windows(line.text, engine.limits.max_text_len)
             segments = engine.segments(next(texts, line.text))  # the first window's refusal leaves no file
-            out = _Output(target, rate, fmt, job.sample_rate)
+            out = _Output(target, rate, fmt, job.rate(rate))
             try:
                 while segments is not None:
                     for chunk in door.stream(Job(segments, job.options, chunked=False)):

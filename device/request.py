@@ -20,7 +20,7 @@ from dataclasses import fields as dataclass_fields
 from numbers import Integral, Real
 from typing import TYPE_CHECKING, Any, Mapping
 
-from cosyedge.device.audio import FORMATS, SAMPLE_RATES
+from cosyedge.device.audio import FORMATS, SAMPLE_RATES, codec_rate
 from cosyedge.device.errors import (InputError, SpeedOutOfRangeError, TextTooLongError, UnknownFieldError,
                                     UnknownFormatError, UnknownModelError, UnknownVoiceError,
                                     UnsupportedSampleRateError)
@@ -185,8 +185,9 @@ class Request:
     text: str | None = None  # for the doors whose request carries its text
 
     def rate(self, voice_rate: int) -> int:
-        """The rate of the audio delivered."""
-        return self.sample_rate or voice_rate
+        """The rate of the audio delivered: the one asked for (else the voice's), raised to the next one the
+        format's codec takes (`codec_rate`)."""
+        return codec_rate(self.format, self.sample_rate or voice_rate)
 
 
 def fields(door: str) -> list[Field]:

@@ -5,10 +5,12 @@ import base64
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import requests
 
@@ -109,6 +111,27 @@ def test_streamed_opus_plays(server):
                                                              "response_format": "opus"})
     assert status == 200 and headers["content-type"] == "audio/ogg" and body[:4] == b"OggS"
     assert len(decode(body)) > 1.0 * 22050
+
+
+@pytest.mark.parametrize("fmt, delivered", [("mp3", 11025), ("aac", 11025), ("opus", 12000), ("flac", 9000)])
+def test_a_rate_the_codec_does_not_take_is_raised_and_named_truly(server, fmt, delivered):
+    """mp3 and aac at 9000 Hz were encoded at ffmpeg's own choice (8000 Hz) while X-Sample-Rate said 9000: the rate
+    is raised to the next one the codec takes, and the header, the whole file and the stream all say so."""
+    body = {"text": "One sentence here.", "format": fmt, "deterministic": True, "sample_rate": 9000}
+    for stream in (False, True):
+        status, headers, audio = server.post("/v1/tts", {**body, "stream": stream})
+        assert status == 200 and headers["x-sample-rate"] == str(delivered), (stream, headers)
+        assert _probe_rate(audio) == delivered, stream
+
+
+def _probe_rate(audio: bytes) -> int:
+    """The rate the file was encoded at (an Ogg Opus decoder always says 48000: its header keeps the input rate)."""
+    if audio[:4] == b"OggS":
+        head = audio.index(b"OpusHead")
+        return int.from_bytes(audio[head + 12:head + 16], "little")
+    out = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "stream=sample_rate", "-of", "json", "pipe:0"],
+                         input=audio, capture_output=True, check=True).stdout
+    return int(json.loads(out)["streams"][0]["sample_rate"])
 
 
 def test_sample_rate_is_honoured_whole_and_streamed_alike(server):
