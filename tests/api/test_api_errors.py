@@ -123,3 +123,19 @@ def test_batch_per_item_errors(fault_engine, fault_pipeline, tmp_path):
     assert failed == {1: (400, "empty_text"), 2: (500, "synthesis_failed"), 3: (413, "text_too_long")}
     record = json.loads((tmp_path / "api_dead_letter.jsonl").read_text().splitlines()[0])
     assert record["route"] == "/v1/tts/batch" and record["request"]["index"] == 2
+
+
+def test_every_error_code_the_service_can_answer_is_in_the_error_table():
+    """api/README.md's error table names every code an ApiError, a WebSocket session error or a device error can
+    carry (it lacked worker_stopped and websocket_unavailable); the measurement package is not the service."""
+    import re
+    from pathlib import Path
+
+    from cosyedge.api.errors import DEVICE_ERRORS
+    api = Path(__file__).resolve().parents[2] / "api"
+    raised = re.compile(r'(?:ApiError\(|super\(\).__init__\(|SessionError\()\s*(?:\d+,\s*)?"([a-z][a-z_]+)"|code="([a-z][a-z_]+)"')
+    codes = {code for path in api.rglob("*.py") if "bench" not in path.parts
+             for match in raised.finditer(path.read_text()) for code in match.groups() if code}
+    codes |= {code for _, code in DEVICE_ERRORS.values()}
+    readme = (api / "README.md").read_text()
+    assert len(codes) > 30 and {code for code in codes if f"`{code}`" not in readme} == set()
