@@ -43,21 +43,35 @@ def cmd_synth(args: argparse.Namespace) -> int:
     from cosyedge.device import request
     from cosyedge.device.audio import check_format, check_sample_rate, encode_wave
     from cosyedge.device.door import Door, Job, collect
+    from cosyedge.device.options import on_rate
+    from cosyedge.device.subtitles import format_of, write
     text = sys.stdin.read() if args.text == "-" else args.text
     out = writable(Path(args.output))
+    subtitles = writable(Path(args.subtitles)) if args.subtitles else None
+    subtitle_format = format_of(subtitles) if subtitles else None
     fmt = check_format(args.format or (out.suffix.lstrip(".") or "wav"))
     check_sample_rate(args.sample_rate)  # before the engine loads
     engine = _engine(args)
     job = request.parse(request.cli_values(args, request.SYNTH, text=text, format=fmt), request.SYNTH, engine)
+    words = subtitles is not None
     with Door(engine) as door:  # the one way into the engine, as for every other door (a whole file)
-        wave = collect(door.stream(Job(engine.segments(job.text), job.options, chunked=False)))
-    try:
-        out.write_bytes(encode_wave(wave, engine.sample_rate, job.format, job.sample_rate))
-    except OSError as exc:  # a file system that refuses (read-only, /proc, full): the user's to fix
-        raise InputError(f"cannot write {out.name!r}: {exc.strerror or type(exc).__name__}") from None
+        chunks = list(door.stream(Job(engine.segments(job.text, words=words), job.options, chunked=False,
+                                      words=words)))
+    wave = collect(chunks)
+    _write(out, encode_wave(wave, engine.sample_rate, job.format, job.sample_rate))
+    if subtitles is not None:
+        timed = on_rate([word for chunk in chunks for word in chunk.words], job.rate(engine.sample_rate))
+        _write(subtitles, write(timed, len(wave) / engine.sample_rate, subtitle_format).encode())
     print(f"{out.name}: {len(wave) / engine.sample_rate:.2f} s of audio at {job.rate(engine.sample_rate)} Hz",
           file=sys.stderr)
     return 0
+
+
+def _write(path: Path, data: bytes) -> None:
+    try:
+        path.write_bytes(data)
+    except OSError as exc:  # a file system that refuses (read-only, /proc, full): the user's to fix
+        raise InputError(f"cannot write {path.name!r}: {exc.strerror or type(exc).__name__}") from None
 
 
 def cmd_synth_batch(args: argparse.Namespace) -> int:
@@ -129,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synth", help="speak TEXT (or - for stdin) into an audio file")
     p.add_argument("text")
     p.add_argument("-o", "--output", required=True)
+    p.add_argument("--subtitles", metavar="FILE.vtt|FILE.srt",
+                   help="also write the words' times as WebVTT or SRT (by the name's suffix; families with word times)")
     _add_engine_args(p)
     add_flags(p, SYNTH)  # the request declaration's fields (cosyedge.device.request); --format default: the suffix
     p.set_defaults(func=cmd_synth)

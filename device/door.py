@@ -51,6 +51,7 @@ class Job:
     options: SynthesisOptions
     chunked: bool = True  # False: each segment rendered whole on the non-streaming path (a file's quality)
     deadline: float | None = None
+    words: bool = False  # chunks carry word times (the segments come from `Engine.segments(text, words=True)`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))
@@ -60,8 +61,9 @@ class Job:
 class Chunk:
     """A piece of a job's audio: float32 at the engine's sample rate, the index of the segment it belongs to,
     and whether that segment's audio is complete with it (`last`; a streaming pipeline learns that a segment
-    ended only after its last chunk, so then the `last` chunk is empty). `words` are the words whose audio ends
-    in this chunk (always empty so far: word times come from `Engine.synthesize_words`, not yet through the door)."""
+    ended only after its last chunk, so then the `last` chunk is empty). `words`, for a job that asks for them,
+    are the words whose audio is complete with this chunk, timed in seconds from the job's first sample (the
+    family's own times: none for a family without word times)."""
     audio: np.ndarray
     segment: int
     last: bool
@@ -100,6 +102,8 @@ class Stream:
         self._ended = False  # the reader has seen the end, an error, or withdrew
         self._expired = False  # its deadline passed before work started
         self._next_segment = 0  # one-by-one engine: the segment it renders next
+        self._made = 0  # samples the door has put
+        self._segment_start = 0.0  # seconds: where the segment being made starts on the job's clock
 
     # -- the reader's side ---------------------------------------------------------------------
     def __iter__(self) -> "Stream":
@@ -184,6 +188,16 @@ class Stream:
         with self._cond:
             self._items.append(item)
             self._cond.notify_all()
+
+    def _put_audio(self, wave: np.ndarray, segment: int, last: bool, words: Sequence[Word] = ()) -> int:
+        """(the door's thread) A chunk, its words moved from its segment's clock to the job's; its samples."""
+        start = self._segment_start if words else 0.0
+        self._put(Chunk(np.asarray(wave, np.float32), segment, last,
+                        tuple(Word(w.text, start + w.start_s, start + w.end_s) for w in words)))
+        self._made += len(wave)
+        if last:
+            self._segment_start = self._made / self._door.engine.sample_rate
+        return len(wave)
 
     def _end(self, error: BaseException | None = None) -> None:
         self._put(_END if error is None else error)
@@ -331,13 +345,13 @@ class Door:
         index = stream._next_segment
         begin = time.perf_counter()
         try:
-            wave = self.engine.render([([job.segments[index]], job.options)])[0][0]
+            (wave, words), = self._whole(job.segments[index:index + 1], job)
         except Exception as exc:  # noqa: BLE001 - the job fails, the engine thread goes on
             self._retire(stream, _failure(exc))
             return
         self._observer.rendered(1, len(wave) / self.engine.sample_rate, time.perf_counter() - begin)
         stream._next_segment += 1
-        stream._put(Chunk(np.asarray(wave, np.float32), index, True))
+        stream._put_audio(wave, index, True, words)
         if stream._next_segment == len(job.segments):
             self._retire(stream)
 
@@ -364,7 +378,9 @@ class Door:
                    and (remaining := close_at - time.monotonic()) > 0):
                 self._cond.wait(remaining)
             take = 1 if self._running else min(self.batch_max, len(self._queue))
-            group = [self._queue.popleft() for _ in range(take)]
+            group = [self._queue.popleft()]  # a job with word times goes alone: its times need their own call
+            while len(group) < take and not group[0].job.words and not self._queue[0].job.words:
+                group.append(self._queue.popleft())
             self._running += len(group)  # counted before the lock drops: in_flight never dips
         return group
 
@@ -395,7 +411,11 @@ class Door:
         rendering them one by one."""
         begin = time.perf_counter()
         try:
-            waves = self.engine.render([(stream.job.segments, stream.job.options) for stream in streams])
+            if len(streams) == 1:
+                renders = [self._whole(streams[0].job.segments, streams[0].job)]
+            else:  # jobs with word times are never gathered (`_gather`): these share one engine call
+                renders = [[(wave, ()) for wave in waves] for waves in
+                           self.engine.render([(stream.job.segments, stream.job.options) for stream in streams])]
         except Exception as exc:  # noqa: BLE001 - find the failing job, the others are rendered again
             if len(streams) > 1:
                 for stream in streams:
@@ -404,12 +424,18 @@ class Door:
             self._observer.failed()
             streams[0]._end(_failure(exc))
             return
-        audio = sum(len(wave) for segment_waves in waves for wave in segment_waves)
+        audio = sum(len(wave) for render in renders for wave, _ in render)
         self._observer.rendered(len(streams), audio / self.engine.sample_rate, time.perf_counter() - begin)
-        for stream, segment_waves in zip(streams, waves):
-            for index, wave in enumerate(segment_waves):
-                stream._put(Chunk(np.asarray(wave, np.float32), index, True))
+        for stream, render in zip(streams, renders):
+            for index, (wave, words) in enumerate(render):
+                stream._put_audio(wave, index, True, words)
             stream._end()
+
+    def _whole(self, segments: Sequence[Segment], job: Job) -> list[tuple[np.ndarray, tuple[Word, ...]]]:
+        """`segments` of `job` rendered whole, each with its words when the job asks for them."""
+        if job.words:
+            return self.engine.render_words(segments, job.options)
+        return [(wave, ()) for wave in self.engine.render([(segments, job.options)])[0]]
 
     def _run_chunks(self, stream: Stream) -> None:
         """A chunked job on a thread of its own: each chunk goes to the reader as soon as it exists."""
@@ -421,12 +447,11 @@ class Door:
         begin, samples = time.perf_counter(), 0
         try:
             for index, segment in enumerate(job.segments):
-                for wave in self.engine.stream_segment(segment, job.options, stream.stop):
-                    samples += len(wave)
-                    stream._put(Chunk(np.asarray(wave, np.float32), index, False))
+                for wave, words in self.engine.stream_segment(segment, job.options, stream.stop, job.words):
+                    samples += stream._put_audio(wave, index, False, words)
                 if stream.stop.is_set():
                     break
-                stream._put(Chunk(np.zeros(0, np.float32), index, True))
+                stream._put_audio(np.zeros(0, np.float32), index, True)
             stream._end()
         except Exception as exc:  # noqa: BLE001 - reported on the job's stream
             self._observer.failed()

@@ -21,7 +21,7 @@ from cosyedge.device.bundle_store import hold
 from cosyedge.device.errors import (BundleError, Cancelled, CosyedgeError, FixedVoicesError, InputError, InvalidVoiceError,
                                     ReservedVoiceNameError, TextTooLongError, UnknownPresetError, UnknownVoiceError,
                                     VoiceExistsError)
-from cosyedge.device.options import BatchLimits, Segment, Stat, SynthesisOptions, Word
+from cosyedge.device.options import BatchLimits, Segment, Stat, SynthesisOptions, Word, on_rate
 from cosyedge.device.paths import state_dir as default_state_dir
 from cosyedge.device.pipeline import Pipeline
 from cosyedge.device.sessions import SessionConfig
@@ -223,9 +223,7 @@ class Engine:
             words += [Word(w.text, offset / self.sample_rate + w.start_s, offset / self.sample_rate + w.end_s)
                       for w in segment_words]
             offset += wave.size
-        if sample_rate:
-            words = [Word(w.text, round(w.start_s * sample_rate) / sample_rate,
-                          round(w.end_s * sample_rate) / sample_rate) for w in words]
+        words = on_rate(words, sample_rate)
         waves = [wave for wave, _ in timed]
         return (np.concatenate(waves) if waves else np.zeros(0, np.float32)), words
 
@@ -248,14 +246,20 @@ class Engine:
         for segment in segments:
             if stop.is_set():
                 return
-            yield from self.stream_segment(segment, options, stop)
+            for chunk, _ in self.stream_segment(segment, options, stop):
+                yield chunk
 
     def stream_segment(self, segment: Segment, options: SynthesisOptions,
-                       stop: threading.Event) -> Iterator[np.ndarray]:
-        """One validated segment's chunks as the pipeline makes them (the door's streaming unit); once `stop` is
-        set no further chunk is made and the iterator ends quietly."""
+                       stop: threading.Event, words: bool = False) -> Iterator[tuple[np.ndarray, tuple[Word, ...]]]:
+        """One validated segment's chunks as the pipeline makes them (the door's streaming unit), each with the
+        words its audio completes when `words` (times from the segment's first sample; the segment comes from
+        `segments(text, words=True)`); once `stop` is set no further chunk is made and the iterator ends quietly."""
         try:
-            yield from self.pipeline.stream_request(segment, options, stop, self.limits.batch_max)
+            if words:
+                yield from self.pipeline.stream_words(segment, options, stop, self.limits.batch_max)
+            else:
+                for chunk in self.pipeline.stream_request(segment, options, stop, self.limits.batch_max):
+                    yield chunk, ()
         except Cancelled:
             if not stop.is_set():
                 raise
@@ -264,6 +268,12 @@ class Engine:
         """Validated requests rendered whole (the non-streaming path: what a file gets), one float32 waveform per
         segment, in job order; the jobs share model calls as the pipeline allows (the door's file unit)."""
         return self.pipeline.synthesize_many(jobs, self.limits.batch_max)
+
+    def render_words(self, segments: Sequence[Segment], options: SynthesisOptions,
+                     ) -> list[tuple[np.ndarray, tuple[Word, ...]]]:
+        """`render` of one request whose segments come from `segments(text, words=True)`: each segment's waveform
+        (the same samples) with its words, timed from the segment's first sample."""
+        return self.pipeline.synthesize_words(segments, options, self.limits.batch_max)
 
     def stream_words(self, segments: Sequence[Segment], options: SynthesisOptions,
                      stop: threading.Event | None = None) -> Iterator[tuple[np.ndarray, list[Word]]]:

@@ -4,6 +4,7 @@ Frozen: a value is private to its request and safe to share."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from cosyedge.device.errors import InputError
 
@@ -43,6 +44,15 @@ class Word:
     text: str
     start_s: float
     end_s: float
+
+
+def on_rate(words: Sequence[Word], sample_rate: int | None) -> list[Word]:
+    """`words` on the clock of their audio converted to `sample_rate` (times rounded to its samples; None: as
+    they are)."""
+    if not sample_rate:
+        return list(words)
+    return [Word(w.text, round(w.start_s * sample_rate) / sample_rate, round(w.end_s * sample_rate) / sample_rate)
+            for w in words]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import html
 import io
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from cosyedge.device.errors import InputError
@@ -86,6 +87,14 @@ def cues(words: Sequence[Word], duration_s: float, style: SubtitleStyle = Subtit
     if lines:
         out.append(Cue(start, max(end, duration_s), tuple(lines)))
     return [Cue(c.start_s, max(c.end_s, c.start_s + MIN_CUE_S), c.lines) for c in out]
+
+
+def format_of(path: Path) -> str:
+    """The subtitle format a file name asks for (`.vtt` or `.srt`)."""
+    fmt = path.suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise InputError(f"subtitle file {path.name!r}: name it .vtt or .srt")
+    return fmt
 
 
 def write(words: Sequence[Word], duration_s: float, fmt: str, style: SubtitleStyle = SubtitleStyle()) -> str:

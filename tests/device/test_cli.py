@@ -50,6 +50,47 @@ def test_synth_formats_and_sample_rate(home, tmp_path, fmt):
     assert decoded.frame_rate in (24000, 48000)  # opus decoders report 48 kHz
 
 
+SUBTITLED = "Hello there, this is a subtitle check. It has two sentences, and 42 words maybe."
+
+
+def test_synth_subtitles_are_the_engine_s_words_on_the_audio_s_clock(home, tmp_path, default_engine):
+    """`synth --subtitles x.vtt` at another sample rate: the same audio as without it, a WebVTT file whose cues
+    hold the engine's words in order (`Engine.synthesize_words`, checked against piper-tts elsewhere), the first
+    cue starting with the first word and the last ending with the audio (within one sample of its rate)."""
+    import io
+
+    import webvtt
+    plain, timed, vtt = tmp_path / "plain.wav", tmp_path / "timed.wav", tmp_path / "timed.vtt"
+    common = ["--deterministic", "--sample-rate", "16000"]
+    assert cosyedge("synth", SUBTITLED, "-o", str(plain), *common, env_home=home).returncode == 0
+    result = cosyedge("synth", SUBTITLED, "-o", str(timed), "--subtitles", str(vtt), *common, env_home=home)
+    assert result.returncode == 0, result.stderr
+    assert timed.read_bytes() == plain.read_bytes()
+    _, words = default_engine.synthesize_words(SUBTITLED, sample_rate=16000, deterministic=True)
+    captions = webvtt.WebVTT.from_buffer(io.StringIO(vtt.read_text()), strict=True).captions
+    assert " ".join(c.text.replace("\n", " ") for c in captions).split() == [w.text for w in words]
+    assert abs(captions[0].start_in_seconds + captions[0].start_time.milliseconds / 1000 - words[0].start_s) < 0.002
+    audio, rate = sf.read(timed)
+    last = captions[-1]
+    assert rate == 16000 and abs(last.end_in_seconds + last.end_time.milliseconds / 1000 - len(audio) / rate) < 0.002
+
+
+def test_synth_subtitles_on_cosyvoice_are_valid_srt(tmp_path, cv2_tiny_bundle):
+    """The tiny CosyVoice2 bundle: an SRT file (parsed by the `srt` library) whose words are the text's, in order,
+    inside the audio."""
+    import srt
+    out, subs = tmp_path / "zh.wav", tmp_path / "zh.srt"
+    result = cosyedge("synth", "收到好友从远方寄来的生日礼物。", "-o", str(out), "--subtitles", str(subs), "--bundle",
+                      str(cv2_tiny_bundle), "--voice", "tiny_spk_zh", "--sampling", "greedy", "--deterministic",
+                      env_home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    cues = list(srt.parse(subs.read_text()))
+    audio, rate = sf.read(out)
+    assert cues and "".join(c.content.replace("\n", "") for c in cues) == "收到好友从远方寄来的生日礼物。"
+    assert all(a.end <= b.start for a, b in zip(cues, cues[1:]))
+    assert abs(cues[-1].end.total_seconds() - len(audio) / rate) < 0.002
+
+
 @pytest.mark.parametrize("args, message", [
     (["synth", "", "-o", "{tmp}/x.wav"], "text is empty"),
     (["synth", "hi", "-o", "{tmp}/missing/x.wav"], "output directory 'missing' does not exist"),
@@ -62,6 +103,8 @@ def test_synth_formats_and_sample_rate(home, tmp_path, fmt):
     (["info", "{tmp}/nothing"], "'nothing' not found"),
     (["synth", "hi", "-o", "{tmp}/x.wav", "--target", "cpu"], "has no 'cpu' graphs"),
     (["synth", "hi", "-o", "{tmp}/x.wav", "--precision", "cpu"], "invalid choice: 'cpu'"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--subtitles", "{tmp}/x.txt"], "name it .vtt or .srt"),
+    (["synth", "hi", "-o", "{tmp}/x.wav", "--subtitles", "{tmp}/missing/x.vtt"], "output directory 'missing'"),
 ])
 def test_cli_errors_are_one_clear_line(home, tmp_path, args, message):
     result = cosyedge(*[a.format(tmp=tmp_path) for a in args], env_home=home)

@@ -181,3 +181,44 @@ def test_a_cosyvoice_stream_withdrawn_leaves_its_decode_row(cv2_engine):
         assert list(stream) == []
         _wait_for(lambda: cv2_engine.stats()["decode_rows_cancelled"].value > cancelled, "the row never left")
         _wait_for(lambda: door.in_flight() == 0, "the job still counts")
+
+
+def _words_job(engine: Engine, text: str, chunked: bool, **options) -> Job:
+    return Job(engine.segments(text, words=True), engine.options(deterministic=True, **options), chunked=chunked,
+               words=True)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_word_times_through_the_door_are_the_engine_s(default_engine, chunked):
+    """A job asking for words: the same audio as without, and the words `synthesize_words` gives (on the job's
+    clock: the second and third sentences' words come after the first's audio), each in the chunk that ends it."""
+    with Door(default_engine) as door:
+        chunks = list(door.open(_words_job(default_engine, TEXT, chunked)))
+    wave, words = default_engine.synthesize_words(TEXT, deterministic=True)
+    np.testing.assert_array_equal(collect(chunks), wave)
+    assert [w for c in chunks for w in c.words] == words and len(words) == len(TEXT.split())
+    heard = 0
+    for chunk in chunks:
+        heard += chunk.audio.size
+        assert all(w.end_s <= heard / default_engine.sample_rate + 1e-6 for w in chunk.words)
+
+
+def test_cosyvoice_word_times_through_the_door_stream_and_whole(cv2_engine):
+    """CosyVoice chunks with the words each completes (as `Engine.stream_words`), and a whole job with word times
+    that arrives with others is not gathered with them (its times need their own call) yet still gets them."""
+    text = "收到好友从远方寄来的生日礼物。今天天气很好。"
+    options = dict(voice="tiny_spk_zh", sampling="greedy")
+    with Door(cv2_engine, gather_s=0.5) as door:
+        streamed = list(door.open(_words_job(cv2_engine, text, True, **options)))
+        plain = door.open(Job(cv2_engine.segments(text), cv2_engine.options(deterministic=True, **options),
+                              chunked=False))
+        whole = door.open(_words_job(cv2_engine, text, False, **options))
+        plain_wave, whole_chunks = collect(plain), list(whole)
+    direct = list(cv2_engine.stream_words(cv2_engine.segments(text, words=True),
+                                          cv2_engine.options(deterministic=True, **options)))
+    np.testing.assert_array_equal(collect(streamed), np.concatenate([c for c, _ in direct]))
+    assert [w for c in streamed for w in c.words] == [w for _, ws in direct for w in ws]
+    wave, words = cv2_engine.synthesize_words(text, deterministic=True, **options)
+    np.testing.assert_array_equal(collect(whole_chunks), wave)
+    np.testing.assert_array_equal(plain_wave, wave)
+    assert [w for c in whole_chunks for w in c.words] == words and words and words[-1].end_s <= len(wave) / 24000
