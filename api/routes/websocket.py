@@ -17,6 +17,11 @@ cuts the text into sentences with `SentenceStream` (the splitter `split_sentence
 early at a clause) and speaks each through the engine's door (`device/door.py`) like any other request: the
 family's own frontend rules, CosyVoice chunks as they are vocoded, VITS sentences in turn with other requests.
 
+Bounds against idle and flooding clients (issue 21): the handshake takes one of the client's stream slots
+(`max_streams_per_client`; beyond: a 429 `too_many_streams` JSON answer, no upgrade), so one client's idle
+handshakes cannot hold every worker thread, and `start` must come within `websocket_start_timeout_s` (else a
+`start_timeout` error event).
+
 Nothing accepted is lost: a piece's journal entry (`journal.PieceJournal`) is closed once the sentences spoken
 cover it; a session that ends any other way than `done` or the client's own `cancel` (an error, a client that
 left, a shutdown) dead-letters its open pieces, and a SIGKILL leaves them to the next start's recovery, as for
@@ -28,7 +33,7 @@ import json
 import logging
 import queue
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from flask import Blueprint, Response, g, request
 from simple_websocket import ConnectionClosed, Server
@@ -88,12 +93,17 @@ def plain_get() -> Response:
 @blueprint.route(ROUTE, methods=["GET"], websocket=True)
 def audio_stream() -> Response:
     service = current_service()
+    release = current_guard().streams.acquire(g.client)  # before the upgrade: beyond the allowance, a 429 answer
     try:
-        ws = Server(request.environ, max_message_size=service.config.max_text_len * FRAME_CHARS_PER_TEXT_CHAR
-                    + FRAME_ENVELOPE_CHARS)
-    except RuntimeError:  # the in-process test server (waitress) hands out no socket
-        raise ApiError(501, "websocket_unavailable", "this server cannot upgrade to WebSocket; use `cosyedge serve`") from None
-    Session(ws, service, g.client).run()
+        try:
+            ws = Server(request.environ, max_message_size=service.config.max_text_len * FRAME_CHARS_PER_TEXT_CHAR
+                        + FRAME_ENVELOPE_CHARS)
+        except RuntimeError:  # the in-process test server (waitress) hands out no socket
+            raise ApiError(501, "websocket_unavailable",
+                           "this server cannot upgrade to WebSocket; use `cosyedge serve`") from None
+        Session(ws, service, g.client, release).run()  # releases the slot before its close frame
+    finally:
+        release()  # whatever failed before the session ran (releasing twice is a no-op)
     return _Upgraded(status=101)
 
 
@@ -110,9 +120,10 @@ class Session:
     order (`inbox`), and withdraws the sentence under way at once on `cancel`, a bad message or a client gone.
     """
 
-    def __init__(self, ws: Server, service: Service, client: str) -> None:
+    def __init__(self, ws: Server, service: Service, client: str, release: Callable[[], None]) -> None:
         self.ws, self.service, self.client = ws, service, client
         self.idle_s = service.config.request_timeout_s
+        self.start_s = service.config.websocket_start_timeout_s
         self.max_text = service.config.max_text_len
         self.splitter = SentenceStream(max_chars=min(400, self.max_text))
         self.options: SynthesisOptions | None = None
@@ -124,7 +135,7 @@ class Session:
         self.encoder: FfmpegEncoder | None = None
         self.encoded = threading.Event()  # the encoder's output is all sent
         self.send_lock = threading.Lock()  # the session thread and the encoder's reader both send
-        self.release = lambda: None  # the client's stream slot
+        self.release = release  # the client's stream slot, taken at the handshake
         self.ticket: Ticket | None = None  # the session's place among the requests in flight
         self.format = "pcm"
         self.pieces = PieceJournal(service.journal, ROUTE, g.request_id)
@@ -178,9 +189,9 @@ class Session:
                 pass
 
     def _serve(self) -> None:
-        first = self._receive(self.idle_s)
+        first = self._receive(self.start_s)
         if first is None:
-            raise SessionError("idle_timeout", f"nothing received for {self.idle_s:.0f} s")
+            raise SessionError("start_timeout", f"no start message within {self.start_s:g} s of the handshake")
         if first.get("type") != "start":
             raise SessionError("bad_message", 'the first message must be {"type": "start", ...}')
         self._start(first)
@@ -204,7 +215,6 @@ class Session:
         engine, _ = self.service.require_ready()
         job = start_request(message, engine, self.service.aliases)
         self.options, self.format = job.options, job.format  # validated once, here: errors come before any audio
-        self.release = current_guard().streams.acquire(self.client)
         self.ticket = self.service.admission.admit()[0]  # the session is one request in flight until it ends
         self.rate = engine.sample_rate
         out_rate = job.rate(self.rate)
