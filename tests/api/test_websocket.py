@@ -462,3 +462,51 @@ def test_idle_handshakes_beyond_the_clients_stream_allowance_are_refused(guarded
             break
         time.sleep(0.1)
     _check_round_trip(reply, 22050, ["Back again."])
+
+
+def test_a_text_flood_beyond_the_unspoken_bound_is_refused_before_the_journal(guarded):
+    """A client sending text faster than it is spoken: the piece that would take the session over
+    websocket_max_pending_chars is refused (not journalled) with a `text_too_long` event and a normal close; the
+    pieces accepted and not spoken are dead-lettered."""
+    service, state = guarded
+    accepted_before, _, dead_before = _journal_state(state)
+    pieces = [f"Sentence {i:02d} goes on for a while before it ends. " for i in range(60)]  # 3,000 characters
+    reply = _talk(service, [_start(), *({"type": "text", "text": p} for p in pieces), {"type": "end"}], headers={})
+    assert reply.close_code == 1000 and reply.events[-1]["type"] == "error", reply.events
+    assert reply.events[-1]["code"] == "text_too_long" and "not yet spoken" in reply.events[-1]["message"]
+    accepted, still_open, dead = _journal_state(state)
+    accepted, dead = [r["request"]["text"] for r in accepted[len(accepted_before):]], dead[len(dead_before):]
+    spoken = len(reply.of("segment"))
+    assert accepted == pieces[:len(accepted)] and PENDING // len(pieces[0]) <= len(accepted) < len(pieces)
+    assert len(accepted) - spoken <= PENDING // len(pieces[0]) + 1  # never more than the bound held unspoken
+    assert not still_open and dead and all(d["error"].startswith("text_too_long") for d in dead)
+    # the unspoken ones, in order (at least once: a sentence spoken as the refusal came may be among them)
+    assert [d["request"]["text"] for d in dead] == accepted[len(accepted) - len(dead):]
+    assert len(dead) >= len(accepted) - spoken
+
+
+def test_text_sent_as_fast_as_it_is_spoken_is_not_bounded(guarded):
+    """The bound counts only text not yet spoken: a session of many times the bound, each piece sent once the one
+    before it is spoken (its `segment` event), completes."""
+    service, _ = guarded
+    pieces = [f"Piece number {i} is a whole sentence of its own, long enough to fill a good part of the bound on "
+              "the text a session may hold unspoken, and a little more. " for i in range(6)]
+    assert len(pieces[0]) <= MAX_TEXT and sum(map(len, pieces)) > 2 * PENDING and 2 * len(pieces[0]) < PENDING
+    ws = websocket.create_connection(_ws_url(service), timeout=T)
+    reply = Reply()
+    try:
+        ws.send(json.dumps(_start()))
+        for piece in pieces:
+            ws.send(json.dumps({"type": "text", "text": piece}))
+            while not reply.events:
+                opcode, data = ws.recv_data()
+                if opcode == websocket.ABNF.OPCODE_TEXT:
+                    reply.events.append(json.loads(data))
+                else:
+                    reply.audio += data
+            assert reply.events.pop()["type"] == "segment", reply.events
+        ws.send(json.dumps({"type": "end"}))
+        rest = _read_until_close(ws)
+    finally:
+        ws.close()
+    assert rest.close_code == 1000 and [e["type"] for e in rest.events] == ["done"], rest.events
