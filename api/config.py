@@ -25,6 +25,9 @@ HTTP_THREADS_MAX = 1024
 # other half holds the HTTP worker's connections (4,160 at HTTP_THREADS_MAX), the engine's files, the journal and
 # ffmpeg's pipes (tests/api/test_api_systemd.py checks the units against it).
 WYOMING_CONNECTIONS_MAX = 32768
+# A WebSocket session's text accepted and not yet spoken: by default 4 texts' worth (as a Wyoming stream's), at most
+# 10 million characters (tens of MB held per session).
+PENDING_FACTOR, PENDING_CHARS_MAX = 4, 10_000_000
 API_KEY_MIN, API_KEY_MAX = 16, 512
 API_KEY = re.compile(r"[\x21-\x7e]{%d,%d}" % (API_KEY_MIN, API_KEY_MAX))  # what fits in `Bearer <key>` unquoted
 _HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62})(\.[a-z0-9]([a-z0-9-]{0,62}))*")
@@ -61,6 +64,8 @@ class ServiceConfig:
     wyoming_uri: str | None = None       # also serve the Wyoming protocol here (tcp://127.0.0.1:10200); loopback only
     wyoming_max_connections: int = 64    # Wyoming connections open at once; beyond: an error event and a close
     wyoming_idle_timeout_s: float = 60.0  # a Wyoming connection with nothing received nor being spoken is closed
+    websocket_start_timeout_s: float = 10.0  # a WebSocket session's `start` must come this soon after the handshake
+    websocket_max_pending_chars: int | None = None  # text a session holds not yet spoken; None: 4 x max_text_len
     allowed_hosts: tuple[str, ...] = ()  # Host names clients use besides loopback, the bind host and this machine's
 
     def __post_init__(self) -> None:
@@ -91,6 +96,11 @@ class ServiceConfig:
              f"wyoming_max_connections must be 1-{WYOMING_CONNECTIONS_MAX} (each is an open file; the units allow "
              "65536)"),
             (0 < self.wyoming_idle_timeout_s <= 86400, "wyoming_idle_timeout_s must be in (0, 86400]"),
+            (0 < self.websocket_start_timeout_s <= 3600, "websocket_start_timeout_s must be in (0, 3600]"),
+            (self.websocket_max_pending_chars is None
+             or self.max_text_len <= self.websocket_max_pending_chars <= PENDING_CHARS_MAX,
+             f"websocket_max_pending_chars must be max_text_len-{PENDING_CHARS_MAX} (a text message of max_text_len "
+             "characters must fit)"),
             (self.wyoming_uri is None or self.wyoming_uri.startswith("tcp://"), "wyoming_uri must be tcp://HOST:PORT"),
             (0 <= self.cache_max_mb <= 1_000_000 and math.isfinite(self.cache_max_mb), "cache_max_mb must be 0-1000000"),
             (self.api_key is None or API_KEY.fullmatch(self.api_key) is not None,
@@ -112,6 +122,13 @@ class ServiceConfig:
         return self.port + (self.instance or 0) if self.port else 0
 
     @property
+    def max_pending_chars(self) -> int:
+        """A WebSocket session's bound on text accepted and not yet spoken."""
+        if self.websocket_max_pending_chars is not None:
+            return self.websocket_max_pending_chars
+        return PENDING_FACTOR * self.max_text_len
+
+    @property
     def batch_timeout(self) -> float:
         return self.batch_timeout_ms / 1000.0
 
@@ -129,6 +146,8 @@ _ENV = {  # environment variable -> field
     "COSYEDGE_LOG_REQUEST_TEXT": "log_request_text", "COSYEDGE_CACHE_MAX_MB": "cache_max_mb",
     "COSYEDGE_WYOMING_URI": "wyoming_uri", "COSYEDGE_WYOMING_MAX_CONNECTIONS": "wyoming_max_connections",
     "COSYEDGE_WYOMING_IDLE_TIMEOUT_S": "wyoming_idle_timeout_s", "COSYEDGE_ALLOWED_HOSTS": "allowed_hosts",
+    "COSYEDGE_WEBSOCKET_START_TIMEOUT_S": "websocket_start_timeout_s",
+    "COSYEDGE_WEBSOCKET_MAX_PENDING_CHARS": "websocket_max_pending_chars",
 }
 CONFIG_MAX_BYTES = 1 << 20  # a TOML file of the service is a few hundred bytes
 API_KEY_FILE_ENV = "COSYEDGE_API_KEY_FILE"  # a file holding the key (systemd: LoadCredential=), read once at start

@@ -44,6 +44,11 @@ class SentenceStream:
                 self._cut(early, out)
         return out
 
+    @property
+    def held(self) -> int:
+        """Characters fed and not yet cut into a sentence (a stream's bound on unspoken text counts them)."""
+        return len(self._buffer)
+
     def flush(self) -> list[str]:
         out: list[str] = []
         self._emit(self._buffer, out)

@@ -7,7 +7,8 @@ whose process tree is under the memory guard, or `--url` on 127.0.0.1):
   them (the header deadline answers 408, the cap closes the oldest);
 - flood: threads sending, as fast as answered, malformed requests (garbage request lines, oversized headers,
   broken chunked bodies) and requests a rebinding or cross-site page would send (foreign Host, foreign Origin);
-- idle WebSockets: handshakes that never send `start`, each held open;
+- idle WebSockets: handshakes that never send `start`, each held open, reopened when the service closes it (its
+  `start` deadline) or refuses it (429: past the client's stream slots);
 - clients: well-behaved `POST /v1/tts` requests of a short sentence;
 - probe: `GET /healthz` every 0.25 s on a new connection.
 
@@ -150,20 +151,31 @@ class Lanes:
             n += 1
 
     def idle_websocket(self) -> None:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=10.0) as sock:
-                sock.sendall(WS_HANDSHAKE)
-                self.count("websocket", _status(sock.recv(4096)))
-                while self.running():  # never sends start; the service may end it (idle_timeout)
-                    sock.settimeout(max(0.1, min(5.0, self.deadline - time.monotonic())))
-                    try:
-                        if not sock.recv(4096):
-                            self.count("websocket", "closed by the service")
-                            return
-                    except (socket.timeout, TimeoutError):
-                        continue
-        except OSError as exc:
-            self.count("websocket", type(exc).__name__)
+        while self.running():  # renewed, as an attacker would: each close by the service is answered with a new one
+            try:
+                self._hold_idle_websocket()
+            except OSError as exc:
+                self.count("websocket", type(exc).__name__)
+                time.sleep(1.0)
+
+    def _hold_idle_websocket(self) -> None:
+        """One handshake that never sends `start`, held until the service closes it (its start deadline) or the
+        run ends; a refused one (429: past the client's stream slots) is retried a second later."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=10.0) as sock:
+            sock.sendall(WS_HANDSHAKE)
+            status = _status(sock.recv(4096))
+            self.count("websocket", status)
+            if status != "101":
+                time.sleep(1.0)
+                return
+            while self.running():
+                sock.settimeout(max(0.1, min(5.0, self.deadline - time.monotonic())))
+                try:
+                    if not sock.recv(4096):
+                        self.count("websocket", "closed by the service")
+                        return
+                except (socket.timeout, TimeoutError):
+                    continue
 
     def client(self) -> None:
         while self.running():

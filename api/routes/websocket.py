@@ -17,6 +17,12 @@ cuts the text into sentences with `SentenceStream` (the splitter `split_sentence
 early at a clause) and speaks each through the engine's door (`device/door.py`) like any other request: the
 family's own frontend rules, CosyVoice chunks as they are vocoded, VITS sentences in turn with other requests.
 
+Bounds against idle and flooding clients (issue 21): the handshake takes one of the client's stream slots
+(`max_streams_per_client`; beyond: a 429 `too_many_streams` JSON answer, no upgrade), so one client's idle
+handshakes cannot hold every worker thread, and `start` must come within `websocket_start_timeout_s` (else a
+`start_timeout` error event). A session holds at most `websocket_max_pending_chars` characters accepted and
+not yet spoken (else a `text_too_long` error event, the piece refused before it is journalled).
+
 Nothing accepted is lost: a piece's journal entry (`journal.PieceJournal`) is closed once the sentences spoken
 cover it; a session that ends any other way than `done` or the client's own `cancel` (an error, a client that
 left, a shutdown) dead-letters its open pieces, and a SIGKILL leaves them to the next start's recovery, as for
@@ -28,7 +34,7 @@ import json
 import logging
 import queue
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from flask import Blueprint, Response, g, request
 from simple_websocket import ConnectionClosed, Server
@@ -88,12 +94,17 @@ def plain_get() -> Response:
 @blueprint.route(ROUTE, methods=["GET"], websocket=True)
 def audio_stream() -> Response:
     service = current_service()
+    release = current_guard().streams.acquire(g.client)  # before the upgrade: beyond the allowance, a 429 answer
     try:
-        ws = Server(request.environ, max_message_size=service.config.max_text_len * FRAME_CHARS_PER_TEXT_CHAR
-                    + FRAME_ENVELOPE_CHARS)
-    except RuntimeError:  # the in-process test server (waitress) hands out no socket
-        raise ApiError(501, "websocket_unavailable", "this server cannot upgrade to WebSocket; use `cosyedge serve`") from None
-    Session(ws, service, g.client).run()
+        try:
+            ws = Server(request.environ, max_message_size=service.config.max_text_len * FRAME_CHARS_PER_TEXT_CHAR
+                        + FRAME_ENVELOPE_CHARS)
+        except RuntimeError:  # the in-process test server (waitress) hands out no socket
+            raise ApiError(501, "websocket_unavailable",
+                           "this server cannot upgrade to WebSocket; use `cosyedge serve`") from None
+        Session(ws, service, g.client, release).run()  # releases the slot before its close frame
+    finally:
+        release()  # whatever failed before the session ran (releasing twice is a no-op)
     return _Upgraded(status=101)
 
 
@@ -110,10 +121,11 @@ class Session:
     order (`inbox`), and withdraws the sentence under way at once on `cancel`, a bad message or a client gone.
     """
 
-    def __init__(self, ws: Server, service: Service, client: str) -> None:
+    def __init__(self, ws: Server, service: Service, client: str, release: Callable[[], None]) -> None:
         self.ws, self.service, self.client = ws, service, client
         self.idle_s = service.config.request_timeout_s
-        self.max_text = service.config.max_text_len
+        self.start_s = service.config.websocket_start_timeout_s
+        self.max_text, self.max_pending = service.config.max_text_len, service.config.max_pending_chars
         self.splitter = SentenceStream(max_chars=min(400, self.max_text))
         self.options: SynthesisOptions | None = None
         self.resample = Resampler(1, None)
@@ -124,11 +136,13 @@ class Session:
         self.encoder: FfmpegEncoder | None = None
         self.encoded = threading.Event()  # the encoder's output is all sent
         self.send_lock = threading.Lock()  # the session thread and the encoder's reader both send
-        self.release = lambda: None  # the client's stream slot
+        self.release = release  # the client's stream slot, taken at the handshake
         self.ticket: Ticket | None = None  # the session's place among the requests in flight
         self.format = "pcm"
         self.pieces = PieceJournal(service.journal, ROUTE, g.request_id)
         self.inbox: queue.Queue[tuple[str, str | None]] = queue.Queue()  # ("text", piece) | ("end"|"halt", None)
+        self.pending = 0  # characters accepted and not yet spoken: the inbox's, the splitter's, the sentences cut
+        self.pending_lock = threading.Lock()  # the reader adds, the session thread takes away
         self.halt: BaseException | None = None  # what the reader ended the session with (cancel, bad message, gone)
         self.stop = threading.Event()  # set with `halt`: the sentence under way is withdrawn
         self.closing = threading.Event()  # the session is over: the reader stops
@@ -178,9 +192,9 @@ class Session:
                 pass
 
     def _serve(self) -> None:
-        first = self._receive(self.idle_s)
+        first = self._receive(self.start_s)
         if first is None:
-            raise SessionError("idle_timeout", f"nothing received for {self.idle_s:.0f} s")
+            raise SessionError("start_timeout", f"no start message within {self.start_s:g} s of the handshake")
         if first.get("type") != "start":
             raise SessionError("bad_message", 'the first message must be {"type": "start", ...}')
         self._start(first)
@@ -188,12 +202,9 @@ class Session:
         self.reader.start()
         while True:
             kind, text = self._take()
+            self._feed(text if kind == "text" else None)
             if kind == "end":
-                for sentence in self.splitter.flush():
-                    self._speak(sentence)
                 break
-            for sentence in self.splitter.feed(text or ""):
-                self._speak(sentence)
         self._audio(self.resample.flush())
         if self.encoder is not None:
             self.encoder.finish()
@@ -204,7 +215,6 @@ class Session:
         engine, _ = self.service.require_ready()
         job = start_request(message, engine, self.service.aliases)
         self.options, self.format = job.options, job.format  # validated once, here: errors come before any audio
-        self.release = current_guard().streams.acquire(self.client)
         self.ticket = self.service.admission.admit()[0]  # the session is one request in flight until it ends
         self.rate = engine.sample_rate
         out_rate = job.rate(self.rate)
@@ -225,6 +235,20 @@ class Session:
         if self.halt is not None:
             raise self.halt
         return kind, text
+
+    def _feed(self, text: str | None) -> None:
+        """Speak the sentences `text` completes (None: the end, the unfinished tail); the pending count drops by
+        what the splitter let go unspoken (spaces, unspeakable text) at once, by each sentence once it is spoken."""
+        before = self.splitter.held + len(text or "")
+        sentences = self.splitter.flush() if text is None else self.splitter.feed(text)
+        self._spoken(before - self.splitter.held - sum(map(len, sentences)))
+        for sentence in sentences:
+            self._speak(sentence)
+
+    def _spoken(self, chars: int) -> None:
+        """`chars` of the pending text are spoken (or dropped unspeakable): the reader may accept that many more."""
+        with self.pending_lock:
+            self.pending -= chars
 
     def _speak(self, sentence: str) -> None:
         """One sentence through the door: its audio as it is made, then its `segment` event."""
@@ -249,6 +273,7 @@ class Session:
             self.current = None
         if self.halt is not None:
             raise self.halt
+        self._spoken(len(sentence))  # before the event: a client that waits for it may send that much again
         self._send_json({"type": "segment", "index": self.index, "text": sentence,
                          "start_s": self._clock(start), "end_s": self._clock(self.samples)})
         self.pieces.spoke(sentence)
@@ -285,7 +310,12 @@ class Session:
             raise ApiError(400, "invalid_parameter", "text must be a string")
         if len(text) > self.max_text:
             raise SessionError("text_too_long", f"a text message has {len(text)} characters; the limit is {self.max_text}")
-        # (the per-session bound on the text accumulated, issue 21, belongs here: before the piece is accepted)
+        with self.pending_lock:  # before the piece is journalled: a refused piece was never accepted
+            if self.pending + len(text) > self.max_pending:
+                raise SessionError("text_too_long", f"the session holds {self.pending} characters not yet spoken; "
+                                   f"with this message's {len(text)} that is over its bound of {self.max_pending}: "
+                                   "send text about as fast as it is spoken")
+            self.pending += len(text)
         try:
             self.pieces.accept(text, {"voice": self.options.voice, "speed": self.options.speed,  # type: ignore[union-attr]
                                       "format": self.format, "stream": True})

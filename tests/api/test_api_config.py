@@ -88,3 +88,20 @@ def test_serve_with_a_target_as_precision_is_one_line_exit_2():
     with contextlib.redirect_stderr(err):
         assert main(["serve", "--precision", "gpu-fp16", "--port", "0"]) == 2
     assert err.getvalue().count("\n") == 1 and "build target" in err.getvalue()
+
+
+def test_websocket_start_deadline_and_pending_text_bound():
+    """Issue 21 items 4 and 7: the WebSocket `start` deadline and the bound on a session's unspoken text."""
+    config = load_config(env={})
+    assert (config.websocket_start_timeout_s, config.max_pending_chars) == (10.0, 4 * config.max_text_len)
+    config = load_config(env={"COSYEDGE_WEBSOCKET_START_TIMEOUT_S": "2.5", "COSYEDGE_MAX_TEXT_LEN": "100",
+                              "COSYEDGE_WEBSOCKET_MAX_PENDING_CHARS": "100"})
+    assert (config.websocket_start_timeout_s, config.max_pending_chars) == (2.5, 100)
+    assert load_config(env={"COSYEDGE_MAX_TEXT_LEN": "100"}).max_pending_chars == 400  # follows max_text_len
+    for env, words in [({"COSYEDGE_WEBSOCKET_START_TIMEOUT_S": "0"}, "websocket_start_timeout_s must be in"),
+                       ({"COSYEDGE_WEBSOCKET_START_TIMEOUT_S": "3601"}, "websocket_start_timeout_s must be in"),
+                       ({"COSYEDGE_WEBSOCKET_START_TIMEOUT_S": "nan"}, "websocket_start_timeout_s must be in"),
+                       ({"COSYEDGE_WEBSOCKET_MAX_PENDING_CHARS": "1999"}, "a text message of max_text_len"),
+                       ({"COSYEDGE_WEBSOCKET_MAX_PENDING_CHARS": "10000001"}, "websocket_max_pending_chars must be")]:
+        with pytest.raises(ConfigError, match=words):
+            load_config(env=env)

@@ -159,7 +159,10 @@ def test_the_hostile_run_keeps_the_probe_answered(joe):
     report = run_hostile(joe.url, seconds=12, slowloris=MAX_HEADER_WAITS + 16, flood=2, websockets=2, clients=1)
     assert report["probes"] > 10 and report["probes_failed"] == 0, report
     assert set(report["lanes"]["flood"]) == {"as documented"}, report["lanes"]
-    assert set(report["lanes"]["clients"]) == {"200"} and report["lanes"]["websocket"] == {"101": 2}, report
+    assert set(report["lanes"]["clients"]) == {"200"}, report
+    # upgraded, and closed at the 10 s start deadline then renewed: never refused (2 of the 4 slots), never failed
+    assert report["lanes"]["websocket"]["101"] >= 2, report
+    assert set(report["lanes"]["websocket"]) <= {"101", "closed by the service"}, report
     assert report["threads_still_running"] == 0 and report["readyz_after"] == 200
 
 

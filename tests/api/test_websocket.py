@@ -206,11 +206,10 @@ def test_the_key_and_the_per_client_stream_bound(joe):
     assert requests.get(joe.url + "/v1/audio/stream", headers=AUTH, timeout=T).status_code == 426
     held = [websocket.create_connection(_ws_url(joe), timeout=T, header=AUTH) for _ in range(2)]
     try:
-        for ws in held:
-            ws.send(json.dumps(_start()))
-        time.sleep(0.5)  # both sessions hold their slot once `start` is handled
-        reply = _talk(joe, [_start()])
-        assert reply.close_code == 1000 and reply.events[-1]["code"] == "too_many_streams", reply.events
+        held[0].send(json.dumps(_start()))  # a session under way and an idle handshake hold a slot each
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+            websocket.create_connection(_ws_url(joe), timeout=T, header=AUTH)
+        assert refused.value.status_code == 429  # at the handshake (issue 21 item 4)
     finally:
         for ws in held:
             ws.close()
@@ -392,3 +391,122 @@ def test_text_pieces_are_journalled_until_spoken(cosyedge_home, tmp_path):
         _, _, dead = _journal_state(state)
         crashed = [d for d in dead[left_before:] if d["error"] == CRASHED]
         assert len(crashed) == len(open_at_kill) and {d["request"]["text"] for d in crashed} <= set(pieces)
+
+
+# -- issue 21 items 4 and 7: idle handshakes and unspoken text are bounded ------------------------------------
+START_S, PENDING, MAX_TEXT = 2.0, 400, 200
+
+
+@pytest.fixture(scope="module")
+def guarded(cosyedge_home, default_bundle_path, tmp_path_factory) -> Iterator[tuple[ServiceProcess, Path]]:
+    """No key (every test client is addr:127.0.0.1), 4 threads, 2 streams per client, a 2 s `start` deadline, at
+    most 400 characters unspoken per session (texts of at most 200); its state directory."""
+    state = tmp_path_factory.mktemp("guarded_state")
+    env = _env(cosyedge_home, None, COSYEDGE_STATE_DIR=str(state), COSYEDGE_HTTP_THREADS="4",
+               COSYEDGE_MAX_STREAMS_PER_CLIENT="2", COSYEDGE_WEBSOCKET_START_TIMEOUT_S=str(START_S),
+               COSYEDGE_MAX_TEXT_LEN=str(MAX_TEXT), COSYEDGE_WEBSOCKET_MAX_PENDING_CHARS=str(PENDING))
+    with ServiceProcess(env=env) as service:
+        yield service, state
+
+
+def _read_until_close(ws: websocket.WebSocket) -> Reply:
+    reply = Reply()
+    while True:
+        opcode, data = ws.recv_data()
+        if opcode == websocket.ABNF.OPCODE_TEXT:
+            reply.events.append(json.loads(data))
+        elif opcode == websocket.ABNF.OPCODE_BINARY:
+            reply.audio += data
+        elif opcode == websocket.ABNF.OPCODE_CLOSE:
+            reply.close_code = int.from_bytes(data[:2], "big") if len(data) >= 2 else None
+            return reply
+
+
+def test_a_handshake_without_start_is_closed_at_the_start_deadline(guarded):
+    """Idle handshakes held a worker thread until request_timeout_s (60 s), renewable: now `start` must come
+    within websocket_start_timeout_s, else a `start_timeout` error event and a normal close; /healthz answers
+    meanwhile."""
+    service, _ = guarded
+    opened = time.monotonic()
+    idle = [websocket.create_connection(_ws_url(service), timeout=START_S + 5) for _ in range(2)]
+    try:
+        assert requests.get(service.url + "/healthz", timeout=START_S).status_code == 200
+        assert time.monotonic() - opened < START_S  # answered while both handshakes wait for `start`
+        replies = [_read_until_close(ws) for ws in idle]  # the old code: nothing for 60 s, a client timeout
+    finally:
+        for ws in idle:
+            ws.close()
+    assert time.monotonic() - opened < START_S + 5
+    for reply in replies:
+        assert reply.close_code == 1000 and [e["code"] for e in reply.events] == ["start_timeout"], reply.events
+    _check_round_trip(_talk(service, [_start(), {"type": "text", "text": "Still here."}, {"type": "end"}], headers={}),
+                      22050, ["Still here."])  # the slots came back
+
+
+def test_idle_handshakes_beyond_the_clients_stream_allowance_are_refused(guarded):
+    """The stream slot is taken at the handshake, before `start`: one client holds at most
+    max_streams_per_client sessions (idle or not); the next handshake is a 429 JSON error, never upgraded."""
+    service, _ = guarded
+    held = [websocket.create_connection(_ws_url(service), timeout=T) for _ in range(2)]
+    try:
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+            websocket.create_connection(_ws_url(service), timeout=START_S)
+        assert refused.value.status_code == 429 and refused.value.resp_headers["retry-after"] == "1"
+        assert json.loads(refused.value.resp_body)["error"]["code"] == "too_many_streams"
+    finally:
+        for ws in held:
+            ws.close()
+    for _ in range(100):  # bounded: the server notices the closes at its next receive
+        reply = _talk(service, [_start(), {"type": "text", "text": "Back again."}, {"type": "end"}], headers={})
+        if not reply.of("error"):
+            break
+        time.sleep(0.1)
+    _check_round_trip(reply, 22050, ["Back again."])
+
+
+def test_a_text_flood_beyond_the_unspoken_bound_is_refused_before_the_journal(guarded):
+    """A client sending text faster than it is spoken: the piece that would take the session over
+    websocket_max_pending_chars is refused (not journalled) with a `text_too_long` event and a normal close; the
+    pieces accepted and not spoken are dead-lettered."""
+    service, state = guarded
+    accepted_before, _, dead_before = _journal_state(state)
+    pieces = [f"Sentence {i:02d} goes on for a while before it ends. " for i in range(60)]  # 3,000 characters
+    reply = _talk(service, [_start(), *({"type": "text", "text": p} for p in pieces), {"type": "end"}], headers={})
+    assert reply.close_code == 1000 and reply.events[-1]["type"] == "error", reply.events
+    assert reply.events[-1]["code"] == "text_too_long" and "not yet spoken" in reply.events[-1]["message"]
+    accepted, still_open, dead = _journal_state(state)
+    accepted, dead = [r["request"]["text"] for r in accepted[len(accepted_before):]], dead[len(dead_before):]
+    spoken = len(reply.of("segment"))
+    assert accepted == pieces[:len(accepted)] and PENDING // len(pieces[0]) <= len(accepted) < len(pieces)
+    assert len(accepted) - spoken <= PENDING // len(pieces[0]) + 1  # never more than the bound held unspoken
+    assert not still_open and dead and all(d["error"].startswith("text_too_long") for d in dead)
+    # the unspoken ones, in order (at least once: a sentence spoken as the refusal came may be among them)
+    assert [d["request"]["text"] for d in dead] == accepted[len(accepted) - len(dead):]
+    assert len(dead) >= len(accepted) - spoken
+
+
+def test_text_sent_as_fast_as_it_is_spoken_is_not_bounded(guarded):
+    """The bound counts only text not yet spoken: a session of many times the bound, each piece sent once the one
+    before it is spoken (its `segment` event), completes."""
+    service, _ = guarded
+    pieces = [f"Piece number {i} is a whole sentence of its own, long enough to fill a good part of the bound on "
+              "the text a session may hold unspoken, and a little more. " for i in range(6)]
+    assert len(pieces[0]) <= MAX_TEXT and sum(map(len, pieces)) > 2 * PENDING and 2 * len(pieces[0]) < PENDING
+    ws = websocket.create_connection(_ws_url(service), timeout=T)
+    reply = Reply()
+    try:
+        ws.send(json.dumps(_start()))
+        for piece in pieces:
+            ws.send(json.dumps({"type": "text", "text": piece}))
+            while not reply.events:
+                opcode, data = ws.recv_data()
+                if opcode == websocket.ABNF.OPCODE_TEXT:
+                    reply.events.append(json.loads(data))
+                else:
+                    reply.audio += data
+            assert reply.events.pop()["type"] == "segment", reply.events
+        ws.send(json.dumps({"type": "end"}))
+        rest = _read_until_close(ws)
+    finally:
+        ws.close()
+    assert rest.close_code == 1000 and [e["type"] for e in rest.events] == ["done"], rest.events

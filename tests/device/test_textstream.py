@@ -45,3 +45,18 @@ def test_a_sentence_that_never_ends_is_cut_at_a_boundary_below_max_chars():
     stream = SentenceStream(first_min_chars=None, max_chars=30)
     out = stream.feed("word " * 20) + stream.flush()
     assert all(len(s) <= 30 for s in out) and " ".join(out) == ("word " * 20).strip()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(ALPHABET, max_size=60).map("".join), st.lists(st.integers(0, 200), max_size=12))
+def test_held_accounts_for_every_character_fed(text, cuts):
+    """A WebSocket session's bound on unspoken text (issue 21 item 7) counts what `held` says the splitter keeps:
+    what one feed lets go is never less than the sentences it returns, and nothing is held after `flush`."""
+    stream = SentenceStream(first_min_chars=5, max_chars=12)  # every kind of cut: early, at an end, forced
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    for start, end in zip(bounds, bounds[1:]):
+        before = stream.held + end - start
+        sentences = stream.feed(text[start:end])
+        assert 0 <= stream.held <= before - sum(map(len, sentences))
+    stream.flush()
+    assert stream.held == 0
