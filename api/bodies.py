@@ -38,10 +38,23 @@ class Speech:
     format: str
     stream: bool
     sample_rate: int | None = None  # None: the voice's own rate
+    timestamps: bool = False  # answer JSON: the audio and its words' times
+    subtitles: str | None = None  # answer the words' times as a subtitle file (vtt, srt)
 
     def rate(self, voice_rate: int) -> int:
         """The rate delivered: as `Request.rate` (the codec's rate next to the one asked for)."""
         return codec_rate(self.format, self.sample_rate or voice_rate)
+
+    @property
+    def words(self) -> bool:
+        """Whether the answer needs the words' times."""
+        return self.timestamps or self.subtitles is not None
+
+    @property
+    def answer(self) -> str:
+        """What the answer is: the audio's format, or what wraps or replaces it (a key of the phrase cache)."""
+        return f"subtitles:{self.subtitles}" if self.subtitles else f"timestamps:{self.format}" if self.timestamps \
+            else self.format
 
 
 @dataclass(frozen=True)
@@ -111,19 +124,24 @@ def parse(values: Mapping[str, Any], door: str, engine: Engine, aliases: Mapping
         raise ApiError.from_device(exc) from None
 
 
-def _segments(engine: Engine, text: Any, field: str) -> list[Segment]:
+def _segments(engine: Engine, text: Any, field: str, words: bool = False) -> list[Segment]:
     try:
         if not isinstance(text, str):
             raise InputError(f"{field} must be a string")
-        return engine.segments(text)
+        return engine.segments(text, words=words)
     except CosyedgeError as exc:
         raise ApiError.from_device(exc) from None
 
 
 def _speech(body: dict[str, Any], door: str, engine: Engine, aliases: Mapping[str, str]) -> Speech:
     job = parse(body, door, engine, aliases)
-    segments = _segments(engine, job.text, declaration.BY_NAME["text"].wire_name(door))
-    return Speech(job.text or "", segments, job.options, job.format, job.stream, job.sample_rate)
+    words = job.timestamps or job.subtitles is not None
+    if words and job.stream:
+        raise ApiError(400, "invalid_parameter", "timestamps and subtitles come with the whole answer: send them "
+                       "without stream")
+    segments = _segments(engine, job.text, declaration.BY_NAME["text"].wire_name(door), words)
+    return Speech(job.text or "", segments, job.options, job.format, job.stream, job.sample_rate, job.timestamps,
+                  job.subtitles)
 
 
 def speech(body: dict[str, Any], engine: Engine, aliases: Mapping[str, str]) -> Speech:

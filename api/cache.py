@@ -236,7 +236,7 @@ def answer(engine: Engine, job, speak: Callable[[], Response]) -> Response:
     """`speak()`'s answer to the job, or the cached one; says which in `X-Cosyedge-Cache` (streams: always miss)."""
     http: HttpCache | None = current_app.extensions.get(EXTENSION)
     try:
-        key = None if http is None or job.stream else http.cache.key(engine, job.segments, job.options, job.format,
+        key = None if http is None or job.stream else http.cache.key(engine, job.segments, job.options, job.answer,
                                                                      job.sample_rate)
     except OSError:  # a registered voice's file vanished under us: answer uncached
         key = None

@@ -26,12 +26,22 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": text[s], "content": {"application/json": {"schema": _ERROR}}} for s in statuses}
 
 
+_TIMED_ITEM = {"type": "object", "required": ["text", "start_s", "end_s"],
+               "properties": {"text": {"type": "string"}, "start_s": {"type": "number"}, "end_s": {"type": "number"}}}
+_TIMED = {"type": "object", "required": ["format", "sample_rate", "audio_seconds", "audio", "words", "segments"],
+          "properties": {"format": {"type": "string"}, "sample_rate": {"type": "integer"},
+                         "audio_seconds": {"type": "number"}, "audio": {"type": "string", "contentEncoding": "base64"},
+                         "words": {"type": "array", "items": _TIMED_ITEM},
+                         "segments": {"type": "array", "items": _TIMED_ITEM}}}
 _AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mono little-endian). With stream=true "
-                         "the body is chunked, sentence by sentence (wav: unknown-length header, then pcm16)",
+                         "the body is chunked, sentence by sentence (wav: unknown-length header, then pcm16). With "
+                         "timestamps=true: JSON, the audio (base64) with its words and segments; with subtitles: the "
+                         "WebVTT or SRT file alone",
           "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}},
                       "X-Cosyedge-Cache": {"schema": {"enum": ["hit", "miss"]}, "description": "served from the phrase cache"}},
           "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
-                      "audio/L16": {}}}
+                      "audio/L16": {}, "application/json": {"schema": _TIMED}, "text/vtt": {},
+                      "application/x-subrip": {}}}
 _SYNTH_ERRORS = (400, 401, 413, 415, 429, 431, 500, 503, 504)
 PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/page.js", "/page.css")  # probes and the page's static files: no key
 

@@ -21,6 +21,7 @@ from cosyedge.api.errors import ApiError
 from cosyedge.api.journal import Journal
 from cosyedge.api.service import current_service
 from cosyedge.api.streaming import audio_body
+from cosyedge.api.timed import timed_answer
 from cosyedge.device.audio import MIME, Resampler, encode_wave
 from cosyedge.device.door import Job, collect
 from cosyedge.device.errors import CosyedgeError, EncodingError, SynthesisFailed
@@ -91,12 +92,14 @@ def speak(route: str, job: Speech) -> Response:
     out_rate = job.rate(rate)
     headers = {"X-Sample-Rate": str(out_rate), "Cache-Control": "no-store"}
     try:
-        stream = door.open(Job(job.segments, job.options, chunked=job.stream, deadline=ticket.deadline))
+        stream = door.open(Job(job.segments, job.options, chunked=job.stream, deadline=ticket.deadline,
+                               words=job.words))
         if job.stream:
             first = next(stream, None)  # a failure before any audio is an HTTP error, not a short stream
         else:
-            wave = collect(stream)
-            audio = _encode(wave, rate, job.format, job.sample_rate)
+            chunks = list(stream)
+            wave = collect(chunks)
+            audio = None if job.subtitles else _encode(wave, rate, job.format, job.sample_rate)
     except CosyedgeError as exc:
         ticket.release()
         failed(exc)
@@ -115,7 +118,10 @@ def speak(route: str, job: Speech) -> Response:
         return Response(_delivered(body, journal, key, ticket), headers={**headers, "X-Accel-Buffering": "no"},
                         content_type=_mimetype(job.format, out_rate))
     headers["X-Audio-Seconds"] = f"{len(wave) / rate:.3f}"
-    response = Response(audio, headers=headers, content_type=_mimetype(job.format, out_rate))
+    content_type = _mimetype(job.format, out_rate)
+    if job.words:
+        audio, content_type = timed_answer(job, chunks, audio, rate, out_rate)
+    response = Response(audio, headers=headers, content_type=content_type)
     response.call_on_close(lambda: (journal.finished(key), ticket.release()))  # after the last byte went out
     return response
 

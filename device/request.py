@@ -25,6 +25,7 @@ from cosyedge.device.errors import (InputError, SpeedOutOfRangeError, TextTooLon
                                     UnknownFormatError, UnknownModelError, UnknownVoiceError,
                                     UnsupportedSampleRateError)
 from cosyedge.device.options import INSTRUCT_MAX_CHARS, SEED_MAX, SPEED_RANGE, SynthesisOptions
+from cosyedge.device.subtitles import FORMATS as SUBTITLE_FORMATS
 from cosyedge.device.text import check_unicode
 
 if TYPE_CHECKING:
@@ -155,9 +156,14 @@ FIELDS: tuple[Field, ...] = (
           wire={SPEECH: "response_format"}, default="wav", defaults={SPEECH: "mp3", WEBSOCKET: "pcm"},
           choices=FORMATS, error=UnknownFormatError, type_error=UnknownFormatError, flag="--format"),
     Field("sample_rate", "integer", "output sample rate in Hz, resampled from the voice's own (default: the "
-          "voice's; opus is encoded at the nearest rate libopus takes)", doors=(*_AUDIO_OUT, WYOMING),
+          "voice's; mp3, aac and opus at a rate their codec does not take: the next one up, as X-Sample-Rate says)",
+          doors=(*_AUDIO_OUT, WYOMING),
           bounds=SAMPLE_RATES, error=UnsupportedSampleRateError, flag="--sample-rate"),
     Field("stream", "boolean", "send the audio as it is made (chunked)", doors=(SPEECH, TTS), default=False),
+    Field("timestamps", "boolean", "answer JSON: the audio (base64), its words and segments with start_s / end_s "
+          "on the audio's clock (families with word times; not with stream)", doors=(SPEECH, TTS), default=False),
+    Field("subtitles", "choice", "answer the words' times alone, as a WebVTT (vtt) or SRT (srt) file (not with "
+          "stream)", doors=(SPEECH, TTS), choices=SUBTITLE_FORMATS),
     Field("stream_format", "choice", "OpenAI's stream format: only audio", doors=(SPEECH,), choices=("audio",)),
     Field("seed", "integer", "sampling seed: the same seed gives the same audio (the phrase cache keeps it)",
           bounds=(0, SEED_MAX), flag="--seed"),
@@ -183,6 +189,8 @@ class Request:
     sample_rate: int | None = None  # the output rate asked for; None: the voice's own
     stream: bool = False
     text: str | None = None  # for the doors whose request carries its text
+    timestamps: bool = False  # the answer is JSON with the audio and its word times
+    subtitles: str | None = None  # the answer is a subtitle file (vtt, srt) instead of the audio
 
     def rate(self, voice_rate: int) -> int:
         """The rate of the audio delivered: the one asked for (else the voice's), raised to the next one the

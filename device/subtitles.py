@@ -53,6 +53,14 @@ def _join(left: str, right: str) -> str:
     return left + ("" if _cjk(left[-1]) and _cjk(right[0]) else " ") + right
 
 
+def join_words(words: Sequence[str]) -> str:
+    """Words as the text reads them: a space between two, none between two CJK characters."""
+    joined = ""
+    for word in words:
+        joined = _join(joined, word)
+    return joined
+
+
 def _ends_sentence(text: str) -> bool:
     return text.rstrip(CLOSERS).endswith(SENTENCE_ENDS)
 

@@ -23,7 +23,8 @@ LAYERS = {"device": "cosyedge.device", "api": "cosyedge.api", "quantize": "cosye
 TORCH = ("torch", "torchaudio")
 FAMILIES = ("cosyedge.device.vits", "cosyedge.device.cosyvoice2", "cosyedge.device.cosyvoice3")
 API_MAY_IMPORT = ("cosyedge.device", "cosyedge.device.engine", "cosyedge.device.options", "cosyedge.device.request",
-                  "cosyedge.device.errors", "cosyedge.device.audio", "cosyedge.device.paths", "cosyedge.device.door")
+                  "cosyedge.device.errors", "cosyedge.device.audio", "cosyedge.device.paths", "cosyedge.device.door",
+                  "cosyedge.device.subtitles")
 
 
 
