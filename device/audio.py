@@ -188,6 +188,7 @@ class Crossfade:
 
     def __init__(self, overlap: int) -> None:
         self.overlap = overlap
+        self.overlapped = 0  # samples the joins so far took out (where a sentence starts: what came before, less this)
         self._tail = np.zeros(0, np.float32)
         self._started = False
 
@@ -197,6 +198,7 @@ class Crossfade:
         if self._started and (n := min(self.overlap, len(self._tail), len(wave))):
             angle = (np.arange(n, dtype=np.float64) + 0.5) * (np.pi / 2 / n)
             mixed = self._tail[len(self._tail) - n:] * np.cos(angle) + wave[:n] * np.sin(angle)
+            self.overlapped += n
             head, wave = np.concatenate([self._tail[:len(self._tail) - n], mixed.astype(np.float32)]), wave[n:]
         elif self._started:
             head = self._tail

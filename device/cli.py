@@ -85,7 +85,8 @@ def cmd_synth_batch(args: argparse.Namespace) -> int:
         check_in_flight(args.in_flight)
     engine = _engine(args)
     job = request.parse(request.cli_values(args, request.SYNTH_BATCH), request.SYNTH_BATCH, engine)
-    summary = run_job(engine, lines, out_dir, job, progress=not args.quiet, in_flight=args.in_flight)
+    summary = run_job(engine, lines, out_dir, job, progress=not args.quiet, in_flight=args.in_flight,
+                      subtitles=args.subtitles)
     print(json.dumps(summary))
     if summary["failed"]:
         print(f"{summary['failed']} line(s) failed; see {out_dir.name}/{DEAD_LETTER}", file=sys.stderr)
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     add_flags(p, SYNTH_BATCH)
     add_in_flight(p)
+    p.add_argument("--subtitles", choices=("vtt", "srt"),
+                   help="also write each line's word times as <id>.vtt or <id>.srt beside its audio (resumable with it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_synth_batch)
 

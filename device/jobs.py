@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import soundfile as sf
@@ -30,8 +30,10 @@ from cosyedge.device.audio import Crossfade, Resampler, decodes, encode_pcm_file
 from cosyedge.device.door import Door, Job
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import CosyedgeError, InputError
+from cosyedge.device.options import Word, on_rate
 from cosyedge.device.paths import read_text
 from cosyedge.device.request import Request, check_in_flight
+from cosyedge.device.subtitles import FORMATS as SUBTITLE_FORMATS, write as write_subtitles
 from cosyedge.device.text import SENTENCE_END
 
 DEAD_LETTER = "dead_letter.jsonl"
@@ -118,11 +120,16 @@ def windows(text: str, limit: int) -> Iterator[str]:
 class _Output:
     """One line's file as its sentences arrive: joined (`Crossfade`), resampled as they come, pcm16 into a partial
     file (wav: the `wave` module patches its header at the end; a compressed format: ffmpeg encodes the partial
-    pcm file to the partial output), renamed into place when whole; `discard` removes the partial files."""
+    pcm file to the partial output), renamed into place when whole; `discard` removes the partial files. With
+    `subtitles` (vtt, srt) the sentences' words, moved onto the line's clock (after the joins), are written beside
+    it (`<id>.<vtt|srt>`), before the audio is renamed into place: a line whose audio is there has its subtitles."""
 
-    def __init__(self, target: Path, rate: int, fmt: str, out_rate: int | None) -> None:
+    def __init__(self, target: Path, rate: int, fmt: str, out_rate: int | None, subtitles: str | None = None) -> None:
         self.target, self.fmt, self.rate = target, fmt, rate
         self.out_rate = out_rate or rate
+        self.subtitles = subtitles
+        self.words: list[Word] = []
+        self._fed = 0  # samples given to `write`, before the joins
         self.partial = target.with_name(f".{target.name}.partial")
         self.spool = self.partial if fmt in ("wav", "pcm") else target.with_name(f".{target.name}.pcm.partial")
         self.samples = 0  # at the engine's rate, after the joins
@@ -135,8 +142,12 @@ class _Output:
             self._wave.setsampwidth(2)
             self._wave.setframerate(self.out_rate)
 
-    def write(self, sentence: np.ndarray) -> None:
+    def write(self, sentence: np.ndarray, words: Sequence[Word] = ()) -> None:
+        """A sentence's audio and its words, timed from its first sample."""
         self._put(self._join(sentence))
+        start = (self._fed - self._join.overlapped) / self.rate  # the join pulls the sentence into the one before
+        self.words += [Word(w.text, start + w.start_s, start + w.end_s) for w in words]
+        self._fed += len(sentence)
 
     def _put(self, samples: np.ndarray, last: bool = False) -> None:
         self.samples += len(samples)
@@ -156,6 +167,12 @@ class _Output:
         if self.spool != self.partial:
             encode_pcm_file(self.spool, self.out_rate, self.fmt, self.partial)
             self.spool.unlink()
+        if self.subtitles is not None:
+            subtitles = subtitle_path(self.target, self.subtitles)
+            partial = subtitles.with_name(f".{subtitles.name}.partial")
+            partial.write_text(write_subtitles(on_rate(self.words, self.out_rate), self.samples / self.rate,
+                                               self.subtitles), encoding="utf-8")
+            partial.replace(subtitles)
         self.partial.replace(self.target)
         return self.samples / self.rate
 
@@ -165,11 +182,21 @@ class _Output:
             path.unlink(missing_ok=True)
 
 
+def subtitle_path(audio: Path, fmt: str) -> Path:
+    """Where a line's subtitles go: beside its audio, `<id>.<vtt|srt>`."""
+    return audio.with_name(f"{audio.stem}.{fmt}")
+
+
 def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, progress: bool = True,
-            in_flight: int | None = None) -> dict:
+            in_flight: int | None = None, subtitles: str | None = None) -> dict:
     """Synthesize every line not yet done with the request's options, format and rate, `in_flight` lines at once
     (default: the engine's batch bound), each a whole job through the engine's door (a long line: one job per
-    window of sentences); return a summary (done, skipped, failed, audio seconds, audio seconds per second, RTF)."""
+    window of sentences), with its `subtitles` file (vtt, srt) when asked; return a summary (done, skipped,
+    failed, audio seconds, audio seconds per second, RTF). A line is done when its audio decodes and, with
+    `subtitles`, its subtitle file is there."""
+    if subtitles is not None and subtitles not in SUBTITLE_FORMATS:
+        raise InputError(f"unknown subtitle format {str(subtitles)[:16]!r}; choose vtt or srt")
+    words = subtitles is not None
     _out_dir(out_dir)
     fmt, rate = job.format, engine.sample_rate
 
@@ -182,19 +209,25 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, prog
         def render(line: Line) -> float:
             target = output(line)
             texts = windows(line.text, engine.limits.max_text_len)
-            segments = engine.segments(next(texts, line.text))  # the first window's refusal leaves no file
-            out = _Output(target, rate, fmt, job.rate(rate))
+            segments = engine.segments(next(texts, line.text), words=words)  # a first refusal leaves no file
+            out = _Output(target, rate, fmt, job.rate(rate), subtitles)
             try:
                 while segments is not None:
-                    for chunk in door.stream(Job(segments, job.options, chunked=False)):
-                        out.write(chunk.audio)  # whole jobs: one chunk per sentence
-                    segments = next((engine.segments(text) for text in texts), None)  # the next window, if any
+                    heard = 0  # samples of this window's job so far: its chunks' words are on its clock
+                    for chunk in door.stream(Job(segments, job.options, chunked=False, words=words)):
+                        begin, heard = heard / rate, heard + chunk.audio.size  # whole jobs: a chunk a sentence
+                        out.write(chunk.audio, [Word(w.text, w.start_s - begin, w.end_s - begin) for w in chunk.words])
+                    segments = next((engine.segments(text, words=words) for text in texts), None)  # the next window
                 return out.finish()
             except BaseException:
                 out.discard()
                 raise
 
-        return run_lines(lines, render, lambda line: _complete(output(line)), out_dir / DEAD_LETTER, progress,
+        def done(line: Line) -> bool:
+            audio = output(line)
+            return _complete(audio) and (subtitles is None or subtitle_path(audio, subtitles).is_file())
+
+        return run_lines(lines, render, done, out_dir / DEAD_LETTER, progress,
                          engine.limits.batch_max if in_flight is None else in_flight)
 
 

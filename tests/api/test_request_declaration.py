@@ -61,8 +61,9 @@ def _on_a_command_line(case: tuple[dict[str, Any], str]) -> bool:
 
 
 # A command's own output option that shares a field's name: `synth --subtitles FILE.vtt` names the subtitle file
-# beside -o (its suffix is the format, as HTTP's `subtitles` field chooses it).
-CLI_OUTPUT_OPTIONS = {(SYNTH, "subtitles")}
+# beside -o (its suffix is the format, as HTTP's `subtitles` field chooses it); `synth-batch --subtitles vtt|srt`
+# writes one beside each line's file.
+CLI_OUTPUT_OPTIONS = {(SYNTH, "subtitles"), (SYNTH_BATCH, "subtitles")}
 CLI_COMMANDS = {SYNTH: "synth 你好。 -o out.wav", SYNTH_BATCH: "synth-batch lines.txt --out-dir out",
                 CACHE_WARM: "cache warm lines.txt", WYOMING: "wyoming"}
 

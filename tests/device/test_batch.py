@@ -140,3 +140,52 @@ def test_sentences_meet_in_an_equal_power_crossfade():
     np.testing.assert_allclose(middle, np.cos(angle) + np.sin(angle), rtol=1e-6)  # gains with cos^2 + sin^2 = 1
     np.testing.assert_array_equal(out[:a.size - overlap], 1.0)
     np.testing.assert_array_equal(out[a.size:], 1.0)
+
+
+def _cue_words(path: Path) -> list[tuple[str, float, float]]:
+    """(text, start, end) of each cue of a WebVTT file, parsed back by webvtt-py."""
+    import io
+
+    import webvtt
+    return [(c.text.replace("\n", " "), c.start_in_seconds + c.start_time.milliseconds / 1000,
+             c.end_in_seconds + c.end_time.milliseconds / 1000)
+            for c in webvtt.WebVTT.from_buffer(io.StringIO(path.read_text()), strict=True).captions]
+
+
+def test_subtitles_beside_each_line_on_the_line_s_clock_and_resumed_with_it(default_engine, tmp_path):
+    """`--subtitles vtt`: `<id>.vtt` beside each audio file, the words in order, the cues inside the audio and the
+    last ending with it (24 kHz: the joins and the resampling moved); a line whose subtitle file is gone is made
+    again, the others are skipped; the audio is the same as without subtitles."""
+    lines = ENGLISH[:3]
+    job = _job(default_engine, deterministic=True, sample_rate=24000)
+    plain = run_job(default_engine, lines, tmp_path / "plain", job, progress=False, in_flight=2)
+    timed = run_job(default_engine, lines, tmp_path / "timed", job, progress=False, in_flight=2, subtitles="vtt")
+    assert plain["done"] == timed["done"] == 3
+    files = _files(tmp_path / "timed")
+    assert {name: data for name, data in files.items() if name.endswith(".wav")} == _files(tmp_path / "plain")
+    for line in lines:
+        cues = _cue_words(tmp_path / "timed" / f"{line.key}.vtt")
+        audio, rate = sf.read(tmp_path / "timed" / f"{line.key}.wav")
+        assert " ".join(text for text, _, _ in cues).split() == line.text.split()
+        assert all(a[2] <= b[1] for a, b in zip(cues, cues[1:])) and cues[0][1] >= 0
+        assert rate == 24000 and abs(cues[-1][2] - len(audio) / rate) < 0.002
+    (tmp_path / "timed" / "b.vtt").unlink()
+    again = run_job(default_engine, lines, tmp_path / "timed", job, progress=False, subtitles="vtt")
+    assert (again["done"], again["skipped"]) == (1, 2) and (tmp_path / "timed" / "b.vtt").is_file()
+
+
+def test_a_sentence_s_words_move_with_the_joins(default_engine, tmp_path):
+    """Sentences meet in a 10 ms crossfade, so the k-th sentence's words come k x 10 ms earlier in the line than
+    in the engine's own render of the whole text (no joins there); the first sentence's are the engine's."""
+    text = "One small line. And a second sentence after it. Then a third one."
+    run_job(default_engine, [Line("a", text)], tmp_path, _job(default_engine, deterministic=True), progress=False,
+            subtitles="srt")
+    import srt
+    said = [c for c in srt.parse((tmp_path / "a.srt").read_text())]
+    _, words = default_engine.synthesize_words(text, deterministic=True)
+    sentence_starts = [w.start_s for w in words if w.text in ("One", "And", "Then")]
+    starts = [c.start.total_seconds() for c in said]
+    assert len(said) == 3 and [c.content for c in said] == ["One small line.", "And a second sentence after it.",
+                                                             "Then a third one."]
+    for k, (got, engine_start) in enumerate(zip(starts, sentence_starts)):
+        assert got == pytest.approx(engine_start - k * JOIN_S, abs=0.0015), k

@@ -231,3 +231,14 @@ def test_every_target_flag_offers_every_build_target():
                if "--target" in a.option_strings and a.choices}
     assert {"cosyedge wyoming", "cosyedge cache warm", "cosyedge synth"} <= set(offered), offered
     assert {prog: choices for prog, choices in offered.items() if choices != tuple(TARGETS)} == {}
+
+
+def test_synth_batch_subtitles_from_the_command_line(home, tmp_path):
+    lines = tmp_path / "lines.csv"
+    lines.write_text("id,text\nhello,Hello there. Good to see you.\nbye,Goodbye.\n")
+    result = cosyedge("synth-batch", str(lines), "--out-dir", str(tmp_path / "out"), "--subtitles", "srt",
+                      "--deterministic", "--quiet", env_home=home)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bye.srt", "bye.wav", "dead_letter.jsonl",
+                                                                   "hello.srt", "hello.wav"]
+    assert "Good to see you." in (tmp_path / "out" / "hello.srt").read_text()
