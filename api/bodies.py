@@ -136,9 +136,9 @@ def _segments(engine: Engine, text: Any, field: str, words: bool = False) -> lis
 def _speech(body: dict[str, Any], door: str, engine: Engine, aliases: Mapping[str, str]) -> Speech:
     job = parse(body, door, engine, aliases)
     words = job.timestamps or job.subtitles is not None
-    if words and job.stream:
-        raise ApiError(400, "invalid_parameter", "timestamps and subtitles come with the whole answer: send them "
-                       "without stream")
+    if job.subtitles and job.stream:
+        raise ApiError(400, "invalid_parameter", "a subtitle file is a whole answer: send subtitles without stream "
+                       "(timestamps with stream: NDJSON lines of audio and words)")
     segments = _segments(engine, job.text, declaration.BY_NAME["text"].wire_name(door), words)
     return Speech(job.text or "", segments, job.options, job.format, job.stream, job.sample_rate, job.timestamps,
                   job.subtitles)

@@ -35,13 +35,13 @@ _TIMED = {"type": "object", "required": ["format", "sample_rate", "audio_seconds
                          "segments": {"type": "array", "items": _TIMED_ITEM}}}
 _AUDIO = {"description": "audio; X-Sample-Rate gives the rate (pcm is 16-bit mono little-endian). With stream=true "
                          "the body is chunked, sentence by sentence (wav: unknown-length header, then pcm16). With "
-                         "timestamps=true: JSON, the audio (base64) with its words and segments; with subtitles: the "
-                         "WebVTT or SRT file alone",
+                         "timestamps=true: JSON, the audio (base64) with its words and segments (with stream: "
+                         "NDJSON lines of audio and words); with subtitles: the WebVTT or SRT file alone",
           "headers": {"X-Sample-Rate": {"schema": {"type": "integer"}},
                       "X-Cosyedge-Cache": {"schema": {"enum": ["hit", "miss"]}, "description": "served from the phrase cache"}},
           "content": {"audio/mpeg": {}, "audio/wav": {}, "audio/ogg": {}, "audio/flac": {}, "audio/aac": {},
-                      "audio/L16": {}, "application/json": {"schema": _TIMED}, "text/vtt": {},
-                      "application/x-subrip": {}}}
+                      "audio/L16": {}, "application/json": {"schema": _TIMED}, "application/x-ndjson": {},
+                      "text/vtt": {}, "application/x-subrip": {}}}
 _SYNTH_ERRORS = (400, 401, 413, 415, 429, 431, 500, 503, 504)
 PUBLIC_PATHS = ("/healthz", "/readyz", "/", "/page.js", "/page.css")  # probes and the page's static files: no key
 

@@ -12,6 +12,8 @@ row leaves before the next step).
 """
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import queue
 from typing import Callable, Iterator
@@ -20,6 +22,7 @@ from cosyedge.api.metrics import Metrics
 from cosyedge.device.audio import FfmpegEncoder, Resampler, streaming_wav_header, to_pcm16
 from cosyedge.device.door import Chunk, Stream
 from cosyedge.device.errors import CosyedgeError, EncodingError
+from cosyedge.device.options import Word, on_rate
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +33,54 @@ class _ClientGone(Exception):
     """The server's probe says the client left."""
 
 
+class _Words(tuple):
+    """A chunk's words, among the body's pieces right after the chunk's audio went to the wire or the encoder."""
+
+
 def audio_body(stream: Stream, first: Chunk | None, fmt: str, resample: Resampler, sample_rate: int,
                metrics: Metrics, disconnected: Callable[[], bool],
-               on_failure: Callable[[Exception], None]) -> Iterator[bytes]:
+               on_failure: Callable[[Exception], None], timed: bool = False) -> Iterator[bytes]:
     """The response body of a stream whose first chunk (`first`; None: the stream had no audio) was taken;
-    `resample` takes the voice's rate to the request's `sample_rate`."""
+    `resample` takes the voice's rate to the request's `sample_rate`. `timed` (a words job): NDJSON, one line per
+    chunk, `{"audio": base64 of the bytes made since the last line, "words": the words the chunk completes}`, times
+    on the delivered clock (for a compressed format the encoder may hold a word's last frame for the next line)."""
+    pieces = _pieces(stream, first, fmt, resample, sample_rate, metrics, disconnected, on_failure)
+    return _lines(pieces, sample_rate) if timed else _audio(pieces)
+
+
+def _audio(pieces: Iterator[bytes | _Words]) -> Iterator[bytes]:
+    try:
+        for piece in pieces:
+            if not isinstance(piece, _Words):
+                yield piece
+    finally:
+        pieces.close()  # the client left: the stream is withdrawn now
+
+
+def _lines(pieces: Iterator[bytes | _Words], sample_rate: int) -> Iterator[bytes]:
+    held = b""
+    try:
+        for piece in pieces:
+            if not isinstance(piece, _Words):
+                held += piece
+                continue
+            yield _line(held, on_rate(piece, sample_rate))
+            held = b""
+        if held:
+            yield _line(held, [])
+    finally:
+        pieces.close()
+
+
+def _line(audio: bytes, words: list[Word]) -> bytes:
+    return json.dumps({"audio": base64.b64encode(audio).decode(), "words": [
+        {"text": w.text, "start_s": w.start_s, "end_s": w.end_s} for w in words]}, ensure_ascii=False).encode() + b"\n"
+
+
+def _pieces(stream: Stream, first: Chunk | None, fmt: str, resample: Resampler, sample_rate: int,
+            metrics: Metrics, disconnected: Callable[[], bool],
+            on_failure: Callable[[Exception], None]) -> Iterator[bytes | _Words]:
+    """The body's bytes as they are made, each chunk's words after its audio."""
     encoded: queue.SimpleQueue = queue.SimpleQueue()
     encoder = FfmpegEncoder(fmt, sample_rate, encoded.put) if fmt not in ("pcm", "wav") else None
     finished = False
@@ -44,6 +90,7 @@ def audio_body(stream: Stream, first: Chunk | None, fmt: str, resample: Resample
         chunk = first
         while chunk is not None:
             yield from _write(encoder, encoded, to_pcm16(resample(chunk.audio)))
+            yield _Words(chunk.words)
             chunk = yield from _next(stream, encoded, disconnected)
         yield from _write(encoder, encoded, to_pcm16(resample.flush()))
         if encoder is not None:

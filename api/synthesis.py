@@ -21,7 +21,7 @@ from cosyedge.api.errors import ApiError
 from cosyedge.api.journal import Journal
 from cosyedge.api.service import current_service
 from cosyedge.api.streaming import audio_body
-from cosyedge.api.timed import timed_answer
+from cosyedge.api.timed import NDJSON, timed_answer
 from cosyedge.device.audio import MIME, Resampler, encode_wave
 from cosyedge.device.door import Job, collect
 from cosyedge.device.errors import CosyedgeError, EncodingError, SynthesisFailed
@@ -113,10 +113,10 @@ def speak(route: str, job: Speech) -> Response:
     if job.stream:
         disconnected = request.environ.get("waitress.client_disconnected", lambda: False)
         body = audio_body(stream, first, job.format, Resampler(rate, out_rate), out_rate, service.metrics,
-                          disconnected, failed)
+                          disconnected, failed, timed=job.timestamps)
         # no direct_passthrough: werkzeug's closing wrapper runs call_on_close (metrics) after the stream
         return Response(_delivered(body, journal, key, ticket), headers={**headers, "X-Accel-Buffering": "no"},
-                        content_type=_mimetype(job.format, out_rate))
+                        content_type=NDJSON if job.timestamps else _mimetype(job.format, out_rate))
     headers["X-Audio-Seconds"] = f"{len(wave) / rate:.3f}"
     content_type = _mimetype(job.format, out_rate)
     if job.words:

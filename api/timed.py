@@ -12,6 +12,7 @@ from cosyedge.device.door import Chunk
 from cosyedge.device.options import Word, on_rate
 from cosyedge.device.subtitles import join_words, write
 
+NDJSON = "application/x-ndjson"  # a streamed `timestamps` answer (`streaming.audio_body(timed=True)`)
 SUBTITLE_TYPES = {"vtt": "text/vtt; charset=utf-8", "srt": "application/x-subrip; charset=utf-8"}
 
 

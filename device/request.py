@@ -161,7 +161,8 @@ FIELDS: tuple[Field, ...] = (
           bounds=SAMPLE_RATES, error=UnsupportedSampleRateError, flag="--sample-rate"),
     Field("stream", "boolean", "send the audio as it is made (chunked)", doors=(SPEECH, TTS), default=False),
     Field("timestamps", "boolean", "answer JSON: the audio (base64), its words and segments with start_s / end_s "
-          "on the audio's clock (families with word times; not with stream)", doors=(SPEECH, TTS), default=False),
+          "on the audio's clock (families with word times); with stream, NDJSON lines of audio and words",
+          doors=(SPEECH, TTS), default=False),
     Field("subtitles", "choice", "answer the words' times alone, as a WebVTT (vtt) or SRT (srt) file (not with "
           "stream)", doors=(SPEECH, TTS), choices=SUBTITLE_FORMATS),
     Field("stream_format", "choice", "OpenAI's stream format: only audio", doors=(SPEECH,), choices=("audio",)),

@@ -1,5 +1,6 @@
 """Word times over HTTP (issue 23 item 3): `timestamps: true` answers JSON with the audio, its words and segments;
-`subtitles: vtt|srt` answers the subtitle file alone; on both routes, cached like audio, refused with stream. The
+`subtitles: vtt|srt` answers the subtitle file alone (refused with stream); on both routes, cached like audio;
+streamed, `timestamps` answers NDJSON lines of audio and the words each line's audio completes. The
 words are the engine's own (`Engine.synthesize_words`, checked against piper-tts in tests/device)."""
 from __future__ import annotations
 
@@ -81,10 +82,31 @@ def test_timed_answers_are_cached_apart_from_the_audio(server):
     assert vtt[1]["content-type"].startswith("text/vtt") and vtt[2].startswith(b"WEBVTT")
 
 
-@pytest.mark.parametrize("extra, code", [({"timestamps": True, "stream": True}, "invalid_parameter"),
-                                         ({"subtitles": "vtt", "stream": True}, "invalid_parameter"),
+@pytest.mark.parametrize("extra, code", [({"subtitles": "vtt", "stream": True}, "invalid_parameter"),
                                          ({"timestamps": "yes"}, "invalid_parameter"),
                                          ({"subtitles": "ass"}, "invalid_parameter")])
 def test_timed_answers_refused_with_a_code(server, extra, code):
     status, _, raw = server.post("/v1/tts", {"text": "Hi.", **extra})
     assert status == 400 and json.loads(raw)["error"]["code"] == code
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "mp3"])
+def test_streamed_timestamps_are_ndjson_lines_of_audio_and_the_words_it_completes(server, default_engine, fmt):
+    """Each line: base64 audio made since the last line and the words it completes; the lines' audio joined is the
+    plain stream's bytes, the words are the whole answer's in order, and (pcm: exact) a word comes in the line whose
+    audio reaches its end, never before."""
+    body = {"text": TEXT, "format": fmt, "stream": True, "deterministic": True, "sample_rate": 16000}
+    status, headers, plain = server.post("/v1/tts", body)
+    assert status == 200
+    status, headers, raw = server.post("/v1/tts", {**body, "timestamps": True})
+    assert status == 200 and headers["content-type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in raw.decode().splitlines()]
+    assert len(lines) >= 2 and b"".join(base64.b64decode(line["audio"]) for line in lines) == plain
+    _, words = default_engine.synthesize_words(TEXT, sample_rate=16000, deterministic=True)
+    assert [w for line in lines for w in line["words"]] == [
+        {"text": w.text, "start_s": w.start_s, "end_s": w.end_s} for w in words]
+    if fmt == "pcm":
+        heard = 0
+        for line in lines:
+            heard += len(base64.b64decode(line["audio"])) // 2
+            assert all(w["end_s"] <= heard / 16000 + 0.01 for w in line["words"])  # the resampler holds ~ms back
