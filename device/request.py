@@ -159,6 +159,9 @@ FIELDS: tuple[Field, ...] = (
           bounds=SAMPLE_RATES, error=UnsupportedSampleRateError, flag="--sample-rate"),
     Field("stream", "boolean", "send the audio as it is made (chunked)", doors=(SPEECH, TTS), default=False),
     Field("stream_format", "choice", "OpenAI's stream format: only audio", doors=(SPEECH,), choices=("audio",)),
+    Field("timestamps", "boolean", "word times: each word of the text and when it is heard, on the output audio's "
+          "clock (WebSocket: a `word` event once the audio holding it has been sent)", doors=(WEBSOCKET,),
+          default=False),
     Field("seed", "integer", "sampling seed: the same seed gives the same audio (the phrase cache keeps it)",
           bounds=(0, SEED_MAX), flag="--seed"),
     Field("deterministic", "boolean", "no sampling noise, and the sampler seeded (0 unless seed says otherwise): "
@@ -182,6 +185,7 @@ class Request:
     format: str = "wav"
     sample_rate: int | None = None  # the output rate asked for; None: the voice's own
     stream: bool = False
+    timestamps: bool = False  # word times asked for (docs/word_times.md)
     text: str | None = None  # for the doors whose request carries its text
 
     def rate(self, voice_rate: int) -> int:

@@ -41,6 +41,7 @@ EXAMPLES: dict[str, tuple[Any, Any, Any, str]] = {
     "sample_rate": (16000, 16000, 96000, "unsupported_sample_rate"),
     "stream": (True, True, "yes", "invalid_parameter"),
     "stream_format": ("audio", None, "sse", "invalid_parameter"),
+    "timestamps": (True, True, "yes", "invalid_parameter"),
     "seed": (7, 7, -1, "invalid_parameter"),
     "deterministic": (True, True, 1, "invalid_parameter"),
     "sampling": ("greedy", "greedy", "hot", "invalid_parameter"),
