@@ -95,14 +95,15 @@ def _check_round_trip(reply: Reply, rate: int, sentences: list[str]) -> None:
     assert abs(done[0]["audio_s"] - audio_s) <= 1 / rate
 
 
-def _words_after_their_audio(reply: Reply, rate: int) -> list[list[dict[str, Any]]]:
-    """The `word` events sentence by sentence, checking that each came only once the pcm received held its end, and
-    before its sentence's `segment` event, inside that sentence's time, in order."""
+def _words_after_their_audio(reply: Reply, rate: int, held: int = 0) -> list[list[dict[str, Any]]]:
+    """The `word` events sentence by sentence, checking that each came only once the pcm received held its end (but
+    for `held` samples a resampler may still hold), and before its sentence's `segment` event, inside that
+    sentence's time, in order."""
     sentences: list[list[dict[str, Any]]] = []
     words: list[dict[str, Any]] = []
     for event, heard in zip(reply.events, reply.heard):
         if event["type"] == "word":
-            assert heard // 2 >= round(event["end_s"] * rate), (event, heard // 2)  # its audio came first
+            assert heard // 2 + held >= round(event["end_s"] * rate), (event, heard // 2)  # its audio came first
             words.append(event)
         elif event["type"] == "segment":
             times = [event["start_s"], *(t for w in words for t in (w["start_s"], w["end_s"])), event["end_s"]]
@@ -152,6 +153,21 @@ def test_word_events_follow_their_audio_on_the_default_voice(joe, default_engine
             assert abs(got["end_s"] - segment["start_s"] - want.end_s) <= 1 / 22050, (got, want)
     plain = _talk(joe, [_start(), {"type": "text", "text": "No words asked for."}, {"type": "end"}])
     assert plain.close_code == 1000 and plain.of("segment") and not plain.of("word"), plain.events
+
+
+def test_word_events_on_the_resampled_clock(joe, default_engine):
+    """With `sample_rate`, the word times are the engine's rounded to the output rate's samples, and each word
+    follows its audio but for the few milliseconds the resampler holds at a sentence's end."""
+    text = "Counter three is free. Please take your ticket."
+    reply = _talk(joe, [_start(timestamps=True, sample_rate=16000), {"type": "text", "text": text}, {"type": "end"}])
+    _check_round_trip(reply, 16000, ["Counter three is free.", "Please take your ticket."])
+    spoken = _words_after_their_audio(reply, 16000, held=320)  # soxr holds ~265 samples (17 ms) here
+    for segment, words in zip(reply.of("segment"), spoken, strict=True):
+        expected = default_engine.synthesize_words(segment["text"], deterministic=True)[1]
+        assert [w["text"] for w in words] == [w.text for w in expected]
+        for got, want in zip(words, expected):
+            assert abs(got["end_s"] * 16000 - round(got["end_s"] * 16000)) < 0.01, got  # on a 16 kHz sample
+            assert abs(got["end_s"] - segment["start_s"] - want.end_s) <= 1 / 16000, (got, want)
 
 
 def test_pcm_over_websocket_equals_the_http_api(joe):
