@@ -160,9 +160,10 @@ FIELDS: tuple[Field, ...] = (
           doors=(*_AUDIO_OUT, WYOMING),
           bounds=SAMPLE_RATES, error=UnsupportedSampleRateError, flag="--sample-rate"),
     Field("stream", "boolean", "send the audio as it is made (chunked)", doors=(SPEECH, TTS), default=False),
-    Field("timestamps", "boolean", "answer JSON: the audio (base64), its words and segments with start_s / end_s "
-          "on the audio's clock (families with word times); with stream, NDJSON lines of audio and words",
-          doors=(SPEECH, TTS), default=False),
+    Field("timestamps", "boolean", "word times, on the output audio's clock (families with word times). HTTP: answer "
+          "JSON, the audio (base64) with its words and segments (with stream: NDJSON lines of audio and words); "
+          "WebSocket: a `word` event once the audio holding the word has been sent", doors=(SPEECH, TTS, WEBSOCKET),
+          default=False),
     Field("subtitles", "choice", "answer the words' times alone, as a WebVTT (vtt) or SRT (srt) file (not with "
           "stream)", doors=(SPEECH, TTS), choices=SUBTITLE_FORMATS),
     Field("stream_format", "choice", "OpenAI's stream format: only audio", doors=(SPEECH,), choices=("audio",)),
@@ -190,7 +191,7 @@ class Request:
     sample_rate: int | None = None  # the output rate asked for; None: the voice's own
     stream: bool = False
     text: str | None = None  # for the doors whose request carries its text
-    timestamps: bool = False  # the answer is JSON with the audio and its word times
+    timestamps: bool = False  # word times: a JSON / NDJSON answer (HTTP), word events (WebSocket)
     subtitles: str | None = None  # the answer is a subtitle file (vtt, srt) instead of the audio
 
     def rate(self, voice_rate: int) -> int:

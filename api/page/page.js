@@ -1,12 +1,13 @@
-// The control page: only the public HTTP API (/v1/tts, /v1/audio/voices, /readyz, /metrics, /v1/bundle), so it
-// doubles as an example of it. wav and pcm play while they stream (Web Audio); the other formats play once fetched.
+// The control page: only the public API (/v1/tts, /v1/audio/voices, /readyz, /metrics, /v1/bundle, and the
+// WebSocket /v1/audio/stream for words), so it doubles as an example of it. wav and pcm play while they stream (Web
+// Audio); the other formats play once fetched; "words" speaks over the WebSocket and highlights each word as heard.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const STREAMED = new Set(["wav", "pcm"]);
 const WAV_HEADER = 44; // the streamed wav header (unknown sizes), then pcm16
 const state = { played: { requests: 0, samples: 0, seconds: 0 }, recent: [], audio: null, sources: [], recorder: null,
-                recorded: null };
+                recorded: null, rate: 0, at: 0, anchors: [], words: [], heard: -1 };
 window.cosyedge = state; // what the browser test reads
 
 // With an API key configured the service answers 401: the page asks for the key once and sends it as a Bearer
@@ -79,6 +80,7 @@ function row(cells) {
 async function loadBundle() {
   const bundle = await (await api("/v1/bundle")).json();
   $("bundle-name").textContent = bundle.name;
+  state.rate = bundle.sample_rate; // the WebSocket's pcm comes at the voice's rate
   const items = [["name", bundle.name], ["family", bundle.family], ["sample rate", `${bundle.sample_rate} Hz`],
                  ["graphs", bundle.selection], ["voices", bundle.voices]];
   $("bundle").replaceChildren(...items.flatMap(([k, v]) => {
@@ -189,7 +191,24 @@ function wavBlob(chunks, rate) {
 function stopPlayback() {
   state.sources.forEach((s) => { try { s.stop(); } catch (_) { /* already ended */ } });
   state.sources = [];
+  state.anchors = [];
   $("player").pause();
+}
+
+// pcm16 little-endian, played right after what is already scheduled; returns its sample count.
+function schedulePcm(view, rate) {
+  const context = state.audio, samples = view.byteLength / 2;
+  const buffer = context.createBuffer(1, samples, rate);
+  const channel = buffer.getChannelData(0);
+  for (let i = 0; i < samples; i++) channel[i] = view.getInt16(2 * i, true) / 32768;
+  const source = context.createBufferSource();
+  source.buffer = buffer;
+  source.connect(context.destination);
+  state.at = Math.max(state.at, context.currentTime);
+  source.start(state.at);
+  state.at += buffer.duration;
+  state.sources.push(source);
+  return samples;
 }
 
 async function play() {
@@ -198,27 +217,35 @@ async function play() {
   const body = { text, voice: $("voice").value, speed: Number($("speed").value), format,
                  stream: STREAMED.has(format) };
   if ($("repeatable").checked) Object.assign(body, { deterministic: true, seed: 0 }); // cacheable (api/README.md)
+  const words = $("words-on").checked;
   stopPlayback();
-  if (body.stream) {
+  if (body.stream || words) {
     state.audio = state.audio || new AudioContext();
     await state.audio.resume(); // inside the click: allowed to make sound
   }
   say("speak-status", "synthesizing...");
   const started = performance.now();
   try {
-    const response = await api("/v1/tts", { method: "POST", headers: { "Content-Type": "application/json" },
-                                           body: JSON.stringify(body) });
-    const result = body.stream ? await playStream(response, format === "wav", started)
-      : await playFile(response, format, started);
+    let result, cache = null;
+    if (words) {
+      result = await playWords(body, started);
+    } else {
+      const response = await api("/v1/tts", { method: "POST", headers: { "Content-Type": "application/json" },
+                                             body: JSON.stringify(body) });
+      result = body.stream ? await playStream(response, format === "wav", started)
+        : await playFile(response, format, started);
+      cache = response.headers.get("X-Cosyedge-Cache");
+    }
     result.total = performance.now() - started;
     state.played.requests += 1;
     state.played.samples += result.samples;
     state.played.seconds += result.seconds;
-    state.recent.unshift({ text: text.slice(0, 40), ...result, cache: response.headers.get("X-Cosyedge-Cache") });
+    state.recent.unshift({ text: text.slice(0, 40), ...result, cache });
     state.recent = state.recent.slice(0, 5);
     $("recent").replaceChildren(...state.recent.map((r) => row([r.text, `${r.first.toFixed(0)} ms`,
                                                                   `${r.total.toFixed(0)} ms`, r.cache || "-"])));
-    say("speak-status", `${result.seconds.toFixed(2)} s of audio (${format}${body.stream ? ", streamed" : ""})`);
+    const how = words ? "pcm, words" : `${format}${body.stream ? ", streamed" : ""}`;
+    say("speak-status", `${result.seconds.toFixed(2)} s of audio (${how})`);
   } catch (e) {
     say("speak-status", e.message, true);
   }
@@ -228,7 +255,8 @@ async function playStream(response, wav, started) {
   const context = state.audio;
   const rate = Number(response.headers.get("X-Sample-Rate"));
   const reader = response.body.getReader();
-  let skip = wav ? WAV_HEADER : 0, carry = new Uint8Array(0), at = context.currentTime + 0.05, samples = 0, first = null;
+  let skip = wav ? WAV_HEADER : 0, carry = new Uint8Array(0), samples = 0, first = null;
+  state.at = context.currentTime + 0.05;
   for (;;) {
     const { done, value } = await reader.read();
     if (done) break;
@@ -241,21 +269,72 @@ async function playStream(response, wav, started) {
     const usable = bytes.length - (bytes.length % 2);
     carry = bytes.slice(usable);
     if (!usable) continue;
-    const view = new DataView(bytes.buffer, bytes.byteOffset, usable);
-    const buffer = context.createBuffer(1, usable / 2, rate);
-    const channel = buffer.getChannelData(0);
-    for (let i = 0; i < usable / 2; i++) channel[i] = view.getInt16(2 * i, true) / 32768;
-    const source = context.createBufferSource();
-    source.buffer = buffer;
-    source.connect(context.destination);
-    at = Math.max(at, context.currentTime);
-    source.start(at);
-    at += buffer.duration;
-    state.sources.push(source);
+    samples += schedulePcm(new DataView(bytes.buffer, bytes.byteOffset, usable), rate);
     if (first === null) first = performance.now() - started;
-    samples += usable / 2;
   }
   return { first: first ?? performance.now() - started, samples, seconds: samples / rate };
+}
+
+// -- words as they are heard: the WebSocket with `timestamps` (api/README.md) -----------------------------
+// Each `word` event comes once its audio has arrived, on the stream's clock; `anchors` tie that clock to the
+// AudioContext's (each frame's first sample and when it plays), so a gap in the audio does not skew the highlight.
+// A browser cannot send the API key on a WebSocket handshake: with a key configured the stream is refused.
+function playWords(body, started) {
+  const rate = state.rate;
+  const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/audio/stream`);
+  socket.binaryType = "arraybuffer";
+  state.at = state.audio.currentTime + 0.05;
+  state.words = [];
+  state.heard = -1;
+  $("words").replaceChildren();
+  const highlight = setInterval(showHeard, 50);
+  let samples = 0, first = null, ended = false;
+  return new Promise((resolve, reject) => {
+    socket.onopen = () => {
+      const start = { type: "start", voice: body.voice, speed: body.speed, format: "pcm", timestamps: true };
+      if (body.deterministic) Object.assign(start, { deterministic: true, seed: body.seed });
+      for (const message of [start, { type: "text", text: body.text }, { type: "end" }]) socket.send(JSON.stringify(message));
+    };
+    socket.onmessage = ({ data }) => {
+      if (typeof data !== "string") {
+        state.anchors.push({ from: samples / rate, at: Math.max(state.at, state.audio.currentTime) });
+        samples += schedulePcm(new DataView(data), rate);
+        if (first === null) first = performance.now() - started;
+        return;
+      }
+      const event = JSON.parse(data);
+      if (event.type === "word") {
+        const span = document.createElement("span");
+        span.textContent = event.text;
+        $("words").append(span, " ");
+        state.words.push(event);
+      } else if (event.type === "error") {
+        reject(new Error(`${event.code}: ${event.message}`));
+      } else if (event.type === "done") {
+        ended = true;
+        setTimeout(() => clearInterval(highlight), 1000 * (state.at - state.audio.currentTime) + 500);
+        resolve({ first: first ?? performance.now() - started, samples, seconds: samples / rate });
+      }
+    };
+    socket.onclose = () => {
+      if (ended) return;
+      clearInterval(highlight);
+      reject(new Error("the word stream closed early (with an API key, a browser cannot open it)"));
+    };
+  });
+}
+
+// The word being heard: the last one started at the stream's position now (`state.heard`, its span marked).
+function showHeard() {
+  const now = state.audio.currentTime;
+  const anchor = state.anchors.filter((a) => a.at <= now).pop();
+  if (!anchor) return;
+  const position = anchor.from + (now - anchor.at);
+  let heard = -1;
+  state.words.forEach((w, i) => { if (w.start_s <= position) heard = i; });
+  if (heard === state.heard) return;
+  state.heard = heard;
+  [...$("words").children].forEach((span, i) => span.classList.toggle("heard", i === heard));
 }
 
 async function playFile(response, format, started) {

@@ -2,11 +2,11 @@
 
 Protocol (issue 11, api/README.md): the client sends JSON text frames: `start` (the request declaration's
 fields of the WebSocket door: voice or speaker_id, format, sample_rate, speed, model, deterministic, seed,
-sampling, preset, mode, instruct_text; checked as HTTP checks them), any number of `text`, then `end`; `cancel`
-stops at once. Every frame goes through the HTTP bodies' bounded JSON parser.
-The server sends binary audio frames as they are made, a `segment` event per sentence once its audio is complete
-(start_s/end_s on the output audio's clock), then `done` with audio_s; an error is an `error` event followed by
-a normal close (1000), never a dropped connection.
+sampling, preset, mode, instruct_text, timestamps; checked as HTTP checks them), any number of `text`, then
+`end`; `cancel` stops at once. Every frame goes through the HTTP bodies' bounded JSON parser.
+The server sends binary audio frames as they are made, with `timestamps` a `word` event once the audio holding
+the word is out (`wsclock.py`), a `segment` event per sentence once its audio is complete (start_s/end_s on the
+output audio's clock), then `done` with audio_s; an error is an `error` event then a normal close (1000).
 
 One session is one request of the gthread worker, and one request in flight for admission (`queue_size`): its
 place is taken at `start` (beyond the bound: a `queue_full` error event with `retry_after`) and given back when
@@ -43,6 +43,7 @@ from cosyedge.api.admission import Ticket
 from cosyedge.api.bodies import loads, parse
 from cosyedge.api.errors import ApiError, ShuttingDown
 from cosyedge.api.journal import PieceJournal
+from cosyedge.api.routes.wsclock import SessionClock
 from cosyedge.api.security import current_guard
 from cosyedge.api.service import Service, current_service
 from cosyedge.device import SentenceStream, SynthesisOptions
@@ -129,8 +130,8 @@ class Session:
         self.splitter = SentenceStream(max_chars=min(400, self.max_text))
         self.options: SynthesisOptions | None = None
         self.resample = Resampler(1, None)
-        self.rate = 0
-        self.samples = 0
+        self.clock = SessionClock()  # the events' times; `word` events held until their audio is out
+        self.timestamps = False  # `word` events asked for
         self.index = 0
         self.ended = False  # the reader has taken `end`
         self.encoder: FfmpegEncoder | None = None
@@ -155,11 +156,11 @@ class Session:
         try:
             self._serve()
             unspoken = None
-            self._send_json({"type": "done", "audio_s": self._clock(self.samples)})
+            self._send_json({"type": "done", "audio_s": self.clock.seconds(self.clock.samples)})
         except _Cancelled:
             unspoken = None  # the client's own say: withdrawn, not failed
             self._close_encoder()  # no encoded audio after `done`
-            self._send_last({"type": "done", "audio_s": self._clock(self.samples), "cancelled": True})
+            self._send_last({"type": "done", "audio_s": self.clock.seconds(self.clock.samples), "cancelled": True})
         except (SessionError, ApiError) as exc:
             unspoken = f"{exc.code}: {exc.message}"
             self._send_error(exc.code, exc.message, exc.retry_after if isinstance(exc, ApiError) else None)
@@ -215,10 +216,11 @@ class Session:
         engine, _ = self.service.require_ready()
         job = start_request(message, engine, self.service.aliases)
         self.options, self.format = job.options, job.format  # validated once, here: errors come before any audio
+        self.timestamps = job.timestamps
         self.ticket = self.service.admission.admit()[0]  # the session is one request in flight until it ends
-        self.rate = engine.sample_rate
-        out_rate = job.rate(self.rate)
-        self.resample = Resampler(self.rate, out_rate)
+        out_rate = job.rate(engine.sample_rate)
+        self.clock.start(engine.sample_rate, out_rate)
+        self.resample = Resampler(engine.sample_rate, out_rate)
         if job.format == "wav":
             self._send(streaming_wav_header(out_rate))
         elif job.format != "pcm":
@@ -251,31 +253,35 @@ class Session:
             self.pending -= chars
 
     def _speak(self, sentence: str) -> None:
-        """One sentence through the door: its audio as it is made, then its `segment` event."""
+        """One sentence through the door: its audio as it is made (with `timestamps`, each word once its audio is
+        out), then its `segment` event."""
         if self.halt is not None:
             raise self.halt
         if not self.service.ready.is_set():
             raise ShuttingDown()
         engine, door = self.service.require_ready()
         assert self.options is not None
-        start = self.samples
-        stream = door.open(Job(engine.segments(sentence), self.options, deadline=self.service.admission.deadline()),
-                           self.stop)
+        start = self.clock.samples
+        stream = door.open(Job(engine.segments(sentence, words=self.timestamps), self.options,
+                               deadline=self.service.admission.deadline(), words=self.timestamps), self.stop)
         self.current = stream
         try:
             for chunk in stream:
+                self.clock.hold(chunk.words, start)  # a streaming pipeline's empty last chunk may end words too
                 if not chunk.audio.size:
                     continue
-                self.samples += len(chunk.audio)
+                self.clock.samples += len(chunk.audio)
                 self._audio(self.resample(chunk.audio))
         finally:
             stream.close()  # a withdrawn CosyVoice stream leaves its decode row at once
             self.current = None
         if self.halt is not None:
             raise self.halt
+        for event in self.clock.rest():
+            self._send_json(event)
         self._spoken(len(sentence))  # before the event: a client that waits for it may send that much again
         self._send_json({"type": "segment", "index": self.index, "text": sentence,
-                         "start_s": self._clock(start), "end_s": self._clock(self.samples)})
+                         "start_s": self.clock.seconds(start), "end_s": self.clock.seconds(self.clock.samples)})
         self.pieces.spoke(sentence)
         self.index += 1
 
@@ -342,16 +348,15 @@ class Session:
             raise SessionError("bad_message", "binary frames are not accepted; send JSON text frames")
         return loads(data)  # the HTTP bodies' bounded parser: invalid_json, nesting_too_deep, number_too_large
 
-    def _clock(self, samples: int) -> float:
-        return round(samples / self.rate, 6) if self.rate else 0.0
-
     def _audio(self, chunk: Any) -> None:
-        """A float chunk out as pcm16: into the encoder, or as a binary frame."""
+        """A float chunk out as pcm16: into the encoder, or as a binary frame; then the words it completes."""
         pcm = to_pcm16(chunk)
         if self.encoder is not None:
             self.encoder.write(pcm)
         elif pcm:
             self._send(pcm)
+        for event in self.clock.sent_out(len(pcm) // 2):
+            self._send_json(event)
 
     def _send(self, data: bytes | str) -> None:
         """One frame; a client gone mid-send (a reset socket is an OSError) is ConnectionClosed, whichever thread

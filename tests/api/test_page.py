@@ -2,7 +2,7 @@
 downloaded browser): it loads without console errors and only from its own origin, a synthesis plays audio of
 non-zero length (streamed wav, and an mp3 file), a repeated repeatable request is a cache hit, and a voice
 registration (an uploaded clip, and one recorded in the page from a synthetic microphone) round-trips on the tiny
-CosyVoice2 bundle. Skipped, with the reason printed, only where Chromium or playwright is missing.
+CosyVoice2 bundle; with "words" the page speaks over the WebSocket and highlights each word as it is heard. Skipped, with the reason printed, only where Chromium or playwright is missing.
 
 `COSYEDGE_PAGE_SCREENSHOT=docs/control-page.png` also writes the screenshot the docs show."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 from apitools import api_config, run_server
+from cosyedge.api.bench.harness import ServiceProcess
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig
 
@@ -177,4 +178,32 @@ def test_voice_registration_round_trips(browser, cv2_tiny_bundle, golden_dir, tm
         assert any((state / "voices").rglob("mic.npz"))
         page.click("li[data-voice=mic] button")
         page.wait_for_selector("li[data-voice=mic]", state="detached", timeout=T)
+        assert watched.errors == [] and watched.foreign == []
+
+
+def test_words_appear_and_the_highlight_follows_the_audio(browser, cosyedge_home, default_bundle_path):
+    """"words" speaks over the WebSocket with `timestamps` (under `cosyedge serve`: the in-process server cannot
+    upgrade): every word of the text appears, and the highlighted word moves forward through them as the audio
+    plays, ending on the last one (a highlight that jumped ahead, stood still or went back would fail)."""
+    text = "Please take your ticket. Counter three is free."
+    env = {"COSYEDGE_HOME": str(cosyedge_home), "COSYEDGE_PROVIDERS": "cpu", "COSYEDGE_THREADS": "1"}
+    with ServiceProcess(env=env) as service:
+        watched = Watched(browser, service.url)
+        page = watched.page
+        page.fill("#text", text)
+        page.check("#words-on")
+        page.click("#play")
+        heard: list[int] = []
+        deadline = time.monotonic() + T / 1000
+        while not heard or heard[-1] < len(text.split()) - 1:
+            assert time.monotonic() < deadline, (heard, page.text_content("#speak-status"))
+            now = page.evaluate("window.cosyedge.heard")
+            if now >= 0 and (not heard or now != heard[-1]):
+                heard.append(now)
+            time.sleep(0.02)
+        watched.wait("window.cosyedge.played.requests === 1")
+        assert page.eval_on_selector_all("#words span", "ss => ss.map(s => s.textContent)") == text.split()
+        assert heard == sorted(heard) and len(heard) >= len(text.split()) // 2, heard  # it moved word by word
+        assert page.eval_on_selector_all("#words .heard", "ss => ss.map(s => s.textContent)") == ["free."]
+        assert page.text_content("#speak-status").endswith("(pcm, words)")
         assert watched.errors == [] and watched.foreign == []

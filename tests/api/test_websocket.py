@@ -40,6 +40,7 @@ class Reply:
     events: list[dict[str, Any]] = field(default_factory=list)
     close_code: int | None = None
     frames_before_first_event: int = 0
+    heard: list[int] = field(default_factory=list)  # audio bytes received before each event
 
     def of(self, kind: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["type"] == kind]
@@ -72,6 +73,7 @@ def _talk(service: ServiceProcess, messages: list[Any], headers: dict[str, str] 
                 reply.audio += data
             elif opcode == websocket.ABNF.OPCODE_TEXT:
                 reply.events.append(json.loads(data))
+                reply.heard.append(len(reply.audio))
             elif opcode == websocket.ABNF.OPCODE_CLOSE:
                 reply.close_code = int.from_bytes(data[:2], "big") if len(data) >= 2 else None
                 return reply
@@ -91,6 +93,25 @@ def _check_round_trip(reply: Reply, rate: int, sentences: list[str]) -> None:
     audio_s = len(reply.audio) / 2 / rate
     assert abs(segments[-1]["end_s"] - done[0]["audio_s"]) <= 1 / rate
     assert abs(done[0]["audio_s"] - audio_s) <= 1 / rate
+
+
+def _words_after_their_audio(reply: Reply, rate: int, held: int = 0) -> list[list[dict[str, Any]]]:
+    """The `word` events sentence by sentence, checking that each came only once the pcm received held its end (but
+    for `held` samples a resampler may still hold), and before its sentence's `segment` event, inside that
+    sentence's time, in order."""
+    sentences: list[list[dict[str, Any]]] = []
+    words: list[dict[str, Any]] = []
+    for event, heard in zip(reply.events, reply.heard):
+        if event["type"] == "word":
+            assert heard // 2 + held >= round(event["end_s"] * rate), (event, heard // 2)  # its audio came first
+            words.append(event)
+        elif event["type"] == "segment":
+            times = [event["start_s"], *(t for w in words for t in (w["start_s"], w["end_s"])), event["end_s"]]
+            assert times == sorted(times), (event, words)
+            sentences.append(words)
+            words = []
+    assert not words, words  # every word before its sentence's segment event
+    return sentences
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +137,37 @@ def test_pieces_round_trip_on_the_default_voice(joe):
     reply = _talk(joe, [_start(), *({"type": "text", "text": p} for p in PIECES), {"type": "end"}])
     _check_round_trip(reply, 22050, SENTENCES)
     assert np.abs(np.frombuffer(reply.audio, "<i2")).max() > 1000  # speech, not silence
+
+
+def test_word_events_follow_their_audio_on_the_default_voice(joe, default_engine):
+    """`timestamps`: each sentence's words are the engine's own word times (synthesize_words) moved to where the
+    sentence starts on the session's clock, each sent after its audio and before its sentence's segment event."""
+    reply = _talk(joe, [_start(timestamps=True), *({"type": "text", "text": p} for p in PIECES), {"type": "end"}])
+    _check_round_trip(reply, 22050, SENTENCES)
+    spoken = _words_after_their_audio(reply, 22050)
+    for segment, words in zip(reply.of("segment"), spoken, strict=True):
+        expected = default_engine.synthesize_words(segment["text"], deterministic=True)[1]
+        assert [w["text"] for w in words] == [w.text for w in expected] == segment["text"].split()
+        for got, want in zip(words, expected):
+            assert abs(got["start_s"] - segment["start_s"] - want.start_s) <= 1 / 22050, (got, want)
+            assert abs(got["end_s"] - segment["start_s"] - want.end_s) <= 1 / 22050, (got, want)
+    plain = _talk(joe, [_start(), {"type": "text", "text": "No words asked for."}, {"type": "end"}])
+    assert plain.close_code == 1000 and plain.of("segment") and not plain.of("word"), plain.events
+
+
+def test_word_events_on_the_resampled_clock(joe, default_engine):
+    """With `sample_rate`, the word times are the engine's rounded to the output rate's samples, and each word
+    follows its audio but for the few milliseconds the resampler holds at a sentence's end."""
+    text = "Counter three is free. Please take your ticket."
+    reply = _talk(joe, [_start(timestamps=True, sample_rate=16000), {"type": "text", "text": text}, {"type": "end"}])
+    _check_round_trip(reply, 16000, ["Counter three is free.", "Please take your ticket."])
+    spoken = _words_after_their_audio(reply, 16000, held=320)  # soxr holds ~265 samples (17 ms) here
+    for segment, words in zip(reply.of("segment"), spoken, strict=True):
+        expected = default_engine.synthesize_words(segment["text"], deterministic=True)[1]
+        assert [w["text"] for w in words] == [w.text for w in expected]
+        for got, want in zip(words, expected):
+            assert abs(got["end_s"] * 16000 - round(got["end_s"] * 16000)) < 0.01, got  # on a 16 kHz sample
+            assert abs(got["end_s"] - segment["start_s"] - want.end_s) <= 1 / 16000, (got, want)
 
 
 def test_pcm_over_websocket_equals_the_http_api(joe):
@@ -312,6 +364,27 @@ def test_pieces_round_trip_on_cosyvoice2(cv2_tiny_bundle, cosyedge_home, tmp_pat
         assert not _alive(int(workers[0])), "the worker outlived a SIGKILL of the service"
     assert cancelled.close_code == 1000 and cancelled.events[-1].get("cancelled"), cancelled.events
     assert len(cancelled.of("segment")) < 6
+
+
+def test_word_events_follow_their_audio_on_cosyvoice2(cv2_tiny_bundle, cosyedge_home, tmp_path):
+    """Streamed CosyVoice words (the LLM's attention, chunk by chunk): every character of the text once, in order,
+    each sent after its audio and before its sentence's segment event; none without `timestamps`."""
+    start = _start(voice="tiny_spk_zh", sampling="greedy")
+    pieces = ["收到好友从远方寄来的生日礼物，", "今天天气很好。", "我们一起去公园吧"]
+    messages = [*({"type": "text", "text": p} for p in pieces), {"type": "end"}]
+    with ServiceProcess(bundle=str(cv2_tiny_bundle), env=_env(cosyedge_home, tmp_path)) as service:
+        timed = _talk(service, [{**start, "timestamps": True}, *messages], headers={})
+        plain = _talk(service, [start, *messages], headers={})
+    assert timed.close_code == 1000 and not timed.of("error"), timed.events
+    spoken = _words_after_their_audio(timed, 24000)
+    assert len(spoken) == len(timed.of("segment")) >= 2
+    def letters(text: str) -> str:  # the frontend ends a tail without punctuation with "。"
+        return "".join(c for c in text if c.isalnum())
+
+    for segment, words in zip(timed.of("segment"), spoken):
+        assert letters("".join(w["text"] for w in words)) == letters(segment["text"])
+    assert letters("".join(w["text"] for w in timed.of("word"))) == letters("".join(pieces))
+    assert plain.close_code == 1000 and plain.of("segment") and not plain.of("word"), plain.events
 
 
 def test_a_session_counts_among_the_requests_in_flight(cv2_tiny_bundle, cosyedge_home, tmp_path):
