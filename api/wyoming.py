@@ -42,12 +42,13 @@ from wyoming.event import Event
 from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
-from cosyedge.api.errors import ApiError
+from cosyedge.api.admission import Ticket
+from cosyedge.api.errors import ApiError, ShuttingDown
 from cosyedge.api.security import check_wyoming_bind
 from cosyedge.api.service import Service
 from cosyedge.api.synthesis import detail
 from cosyedge.api.wyoming_requests import OneShot, RefusedStream, StreamRequest, event_request, journal_unavailable
-from cosyedge.api.wyoming_transport import Connection, log, parse_uri, start_in_thread
+from cosyedge.api.wyoming_transport import Connection, Listener, log, parse_uri, start_in_thread
 from cosyedge.device import CosyedgeError, EmptyTextError, InputError, TextTooLongError, to_pcm16
 from cosyedge.device import request as declaration
 from cosyedge.device.audio import Resampler
@@ -106,6 +107,9 @@ class Handler(Connection):
     def busy(self) -> bool:
         return bool(self.speaking) or not self.work.empty()
 
+    def in_flight(self) -> bool:
+        return bool(self.open) or self.busy()
+
     async def handle_event(self, event: Event) -> bool:
         try:
             await self._handle(event)
@@ -121,8 +125,9 @@ class Handler(Connection):
                 await self.speaker
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
                 pass
+        why = detail(self.cut_by) if self.cut_by is not None else LEFT
         for accepted in self.open:
-            accepted.settle(LEFT)
+            accepted.settle(why)
         self.open.clear()
 
     # -- events, as they arrive ------------------------------------------------------------------
@@ -140,7 +145,7 @@ class Handler(Connection):
             if request.text is not None:
                 raise UnknownFieldError("synthesize-start carries no text; send it in synthesize-chunk events")
             try:
-                ticket = self.service.admission.admit()[0]
+                ticket = self._admit()
             except ApiError:
                 self.stream = RefusedStream()
                 raise
@@ -162,7 +167,7 @@ class Handler(Connection):
         if request.text is None:
             raise InputError("text must be a string")
         segments = await asyncio.get_running_loop().run_in_executor(None, self.tts.engine.segments, request.text)
-        ticket = self.service.admission.admit()[0]
+        ticket = self._admit()
         accepted = OneShot(self.service, {"text": request.text, **self.tts.payload(request, stream=False)}, ticket)
         self.open.append(accepted)
 
@@ -174,6 +179,12 @@ class Handler(Connection):
                 raise
             self._settle(accepted, None)
         self._enqueue(speak)
+
+    def _admit(self) -> Ticket:
+        """A new request's place in flight; none while the server drains (`shutting_down`)."""
+        if self.stopping:
+            raise ShuttingDown()
+        return self.service.admission.admit()[0]
 
     def _chunk(self, text: object) -> None:
         stream = self.stream
@@ -223,6 +234,7 @@ class Handler(Connection):
                 await self.send_error(_answer(exc, "synthesize"))
             finally:
                 self.speaking = 0
+                self.changed()
 
     async def _speak_sentence(self, stream: StreamRequest, sentence: str) -> None:
         try:
@@ -316,10 +328,9 @@ async def _chunks(stream: Stream) -> AsyncIterator[Chunk]:
         stream.close()
 
 
-def start_for_service(service: Service, uri: str) -> int:
-    """Wyoming beside `cosyedge serve`: the service's admission, journal and door; returns the port."""
+def start_for_service(service: Service, uri: str) -> Listener:
+    """Wyoming beside `cosyedge serve`: the service's admission, journal and door; the listener drains with it."""
     check_wyoming_bind(uri)
-    tts = WyomingTts(service)
-    port, _ = start_in_thread(tts.connect, service.config, uri)
-    log.info("wyoming: listening on tcp://%s:%d (same engine as HTTP)", parse_uri(uri)[0], port)
-    return port
+    listener = start_in_thread(Listener(WyomingTts(service).connect, service.config), uri)
+    log.info("wyoming: listening on tcp://%s:%d (same engine as HTTP)", parse_uri(uri)[0], listener.port)
+    return listener

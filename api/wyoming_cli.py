@@ -20,7 +20,7 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
     from cosyedge.api.security import is_loopback
     from cosyedge.api.service import Service, load_engine
     from cosyedge.api.wyoming import WyomingTts
-    from cosyedge.api.wyoming_transport import log, parse_uri, serve_async
+    from cosyedge.api.wyoming_transport import Listener, log, parse_uri
     from cosyedge.device.request import cli_values
     host, _ = parse_uri(args.uri)
     if not is_loopback(host) and not args.allow_remote:
@@ -37,8 +37,8 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
         assert task is not None
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
-        await serve_async(tts.connect, config, args.uri,
-                          lambda port: log.info("wyoming: listening on tcp://%s:%d", host, port), args.zeroconf)
+        await Listener(tts.connect, config).serve(
+            args.uri, lambda port: log.info("wyoming: listening on tcp://%s:%d", host, port), args.zeroconf)
 
     try:
         asyncio.run(main())
