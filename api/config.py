@@ -61,6 +61,7 @@ class ServiceConfig:
     wyoming_uri: str | None = None       # also serve the Wyoming protocol here (tcp://127.0.0.1:10200); loopback only
     wyoming_max_connections: int = 64    # Wyoming connections open at once; beyond: an error event and a close
     wyoming_idle_timeout_s: float = 60.0  # a Wyoming connection with nothing received nor being spoken is closed
+    wyoming_write_timeout_s: float = 30.0  # a Wyoming client that takes no audio for this long is cut
     allowed_hosts: tuple[str, ...] = ()  # Host names clients use besides loopback, the bind host and this machine's
 
     def __post_init__(self) -> None:
@@ -91,6 +92,7 @@ class ServiceConfig:
              f"wyoming_max_connections must be 1-{WYOMING_CONNECTIONS_MAX} (each is an open file; the units allow "
              "65536)"),
             (0 < self.wyoming_idle_timeout_s <= 86400, "wyoming_idle_timeout_s must be in (0, 86400]"),
+            (0 < self.wyoming_write_timeout_s <= 3600, "wyoming_write_timeout_s must be in (0, 3600]"),
             (self.wyoming_uri is None or self.wyoming_uri.startswith("tcp://"), "wyoming_uri must be tcp://HOST:PORT"),
             (0 <= self.cache_max_mb <= 1_000_000 and math.isfinite(self.cache_max_mb), "cache_max_mb must be 0-1000000"),
             (self.api_key is None or API_KEY.fullmatch(self.api_key) is not None,
@@ -128,7 +130,8 @@ _ENV = {  # environment variable -> field
     "COSYEDGE_API_KEY": "api_key", "COSYEDGE_MAX_STREAMS_PER_CLIENT": "max_streams_per_client",
     "COSYEDGE_LOG_REQUEST_TEXT": "log_request_text", "COSYEDGE_CACHE_MAX_MB": "cache_max_mb",
     "COSYEDGE_WYOMING_URI": "wyoming_uri", "COSYEDGE_WYOMING_MAX_CONNECTIONS": "wyoming_max_connections",
-    "COSYEDGE_WYOMING_IDLE_TIMEOUT_S": "wyoming_idle_timeout_s", "COSYEDGE_ALLOWED_HOSTS": "allowed_hosts",
+    "COSYEDGE_WYOMING_IDLE_TIMEOUT_S": "wyoming_idle_timeout_s",
+    "COSYEDGE_WYOMING_WRITE_TIMEOUT_S": "wyoming_write_timeout_s", "COSYEDGE_ALLOWED_HOSTS": "allowed_hosts",
 }
 CONFIG_MAX_BYTES = 1 << 20  # a TOML file of the service is a few hundred bytes
 API_KEY_FILE_ENV = "COSYEDGE_API_KEY_FILE"  # a file holding the key (systemd: LoadCredential=), read once at start

@@ -5,6 +5,8 @@ where it listens, the cap on its connections, and each connection's event loop w
   `bad_request` / `event_too_large`, then a normal close (the byte stream cannot be trusted after it);
 - beyond `wyoming_max_connections` -> `too_many_connections`; nothing received for `wyoming_idle_timeout_s` while
   the client waits for nothing -> `idle_timeout`; each then a normal close;
+- an event not taken by the client within `wyoming_write_timeout_s` (it reads nothing: the socket's buffers are
+  full) -> the connection is cut (socket reset); what it held is dead-lettered and its places given back;
 - a normal close after an `error` event is a FIN after it, not a reset that could lose it: what the client still
   sends is read and dropped a bounded while first;
 - `Listener.drain` (beside `serve`, with the worker's drain: a bundle reload, a SIGTERM): the listening socket
@@ -25,6 +27,7 @@ from typing import Callable
 from urllib.parse import urlparse
 
 from wyoming.error import Error
+from wyoming.event import Event
 from wyoming.server import AsyncEventHandler
 
 from cosyedge.api.config import ServiceConfig
@@ -68,8 +71,8 @@ class Connection(AsyncEventHandler):
             self._wake.set()
 
     def cut(self, why: ApiError) -> None:
-        """End the connection now (a drain out of time): its unsent output is dropped and the socket reset, so
-        neither the process's file nor the kernel's buffers stay held for it."""
+        """End the connection now (a drain out of time, a client that reads nothing): its unsent output is dropped
+        and the socket reset, so neither the process's file nor the kernel's buffers stay held for it."""
         self.cut_by = self.cut_by or why
         sock = self.writer.get_extra_info("socket")
         if sock is not None:
@@ -116,16 +119,31 @@ class Connection(AsyncEventHandler):
             await self.disconnect()
             self.writer.close()
 
+    async def write_event(self, event: Event) -> None:
+        """The event out, within `wyoming_write_timeout_s`: a client that reads nothing for that long is cut (its
+        place and connection given back), never waited for."""
+        if self.cut_by is not None:  # nothing more goes out: what the connection still holds fails alike
+            raise self.cut_by
+        timeout = self.config.wyoming_write_timeout_s
+        try:
+            await asyncio.wait_for(super().write_event(event), timeout)
+        except asyncio.TimeoutError:
+            why = ApiError(408, "write_timeout", f"the client read nothing for {timeout:.0f} s")
+            self.cut(why)
+            raise why from None
+
     async def end(self, why: ApiError) -> None:
         """The connection ends on an error: its event, then a normal close."""
         await self.send_error(why)
         await self._linger()
 
     async def send_error(self, why: ApiError) -> None:
-        """`why` as an `error` event (its code and message), unless the client is gone."""
+        """`why` as an `error` event (its code and message), unless the client is gone or cut."""
+        if self.cut_by is not None:
+            return
         try:
             await self.write_event(Error(text=why.message, code=why.code).event())
-        except (ConnectionError, RuntimeError):  # the client is gone
+        except (ConnectionError, RuntimeError, ApiError):  # the client is gone, or reads nothing and was cut
             pass
 
     async def _linger(self) -> None:

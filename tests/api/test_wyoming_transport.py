@@ -1,5 +1,5 @@
 """The Wyoming server's transport under `cosyedge serve --wyoming` (`api/wyoming_transport.py`), from the outside:
-its drain with the worker's (a bundle reload, a SIGTERM).
+its drain with the worker's (a bundle reload, a SIGTERM) and its write deadline (a client that never reads).
 
 Clients here are raw sockets with a small receive buffer, so that a client that pauses its reads holds the
 server's writes (a synthesis stays in flight for as long as the test wants)."""
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 
 from cosyedge.api.bench.harness import ServiceProcess, http_status
 from cosyedge.api.journal import DEAD_LETTER, read_jsonl
@@ -169,3 +170,49 @@ def test_wyoming_beside_serve_is_drained_with_the_worker(how, default_bundle_pat
             assert service.proc.wait(T) == 0, service.log_tail()
         dead = read_jsonl(service.log_path.parent / "state" / DEAD_LETTER)
         assert dead == [], dead  # nothing accepted was lost
+
+
+def _in_flight(service: ServiceProcess) -> float:
+    text = requests.get(service.url + "/metrics", timeout=T).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("cosyedge_in_flight "))
+
+
+def test_a_client_that_never_reads_is_cut_at_the_write_deadline(cosyedge_home):
+    """A client that sent two long `synthesize` events and never read its socket held both places in flight and
+    its connection for ever: once the socket's buffers were full the server's write waited without a deadline
+    (and, the client waiting for audio, the idle timeout never fired). Now an event not taken within
+    `wyoming_write_timeout_s` cuts the connection (a reset): both requests are dead-lettered `write_timeout`, their
+    places come back (/metrics), and so does the connection (with a cap of one, a new client is served)."""
+    port = _free_port()
+    env = {"COSYEDGE_WYOMING_URI": f"tcp://127.0.0.1:{port}", "COSYEDGE_HOME": str(cosyedge_home),
+           "COSYEDGE_THREADS": "1", "OMP_NUM_THREADS": "1", "COSYEDGE_WYOMING_WRITE_TIMEOUT_S": "2",
+           "COSYEDGE_WYOMING_MAX_CONNECTIONS": "1"}
+    long_text = " ".join(f"Sentence number {i} is here to make the audio long enough for this test."
+                         for i in range(26))  # 1,835 characters: 100 s of audio, 4.4 MB, beyond the socket buffers
+    with ServiceProcess(env=env, ready_timeout_s=T) as service:
+        _wait_until("listening on Wyoming", lambda: _run(_new_connection(port)) == "info")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        try:
+            for _ in range(2):
+                sock.sendall(json.dumps({"type": "synthesize", "data": {"text": long_text}}).encode() + b"\n")
+            _wait_until("admitted", lambda: _in_flight(service) == 2)
+            started = time.monotonic()
+            _wait_until("given back", lambda: _in_flight(service) == 0)  # the socket is still open, unread
+            given_back = time.monotonic() - started
+            assert _run(_new_connection(port)) == "info"  # the one connection the cap allows is free again
+            sock.settimeout(T)
+            received = 0
+            try:
+                while piece := sock.recv(1 << 16):  # what the kernel held for it, then the end: a reset
+                    received += len(piece)
+            except ConnectionResetError:
+                pass
+        finally:
+            sock.close()
+        dead = read_jsonl(service.log_path.parent / "state" / DEAD_LETTER)
+    assert given_back < 60, given_back
+    assert received < 4_000_000, received  # cut well before its audio was out
+    assert [d["request"]["text"] for d in dead] == [long_text] * 2, dead
+    assert all(d["error"].startswith("write_timeout") for d in dead), dead
