@@ -15,8 +15,10 @@ Built on the maintained `wyoming` package (its events and `AsyncEventHandler`, u
 - bad input (unknown voice, nothing speakable, text too long, a chunk outside a stream) -> `error` with the
   code HTTP answers the same input with; beyond `queue_size` -> `error` `queue_full`; the connection stays usable;
   a second `synthesize-start` while a stream is open -> `error` `stream_open`, the open stream goes on;
-- the connection's own bounds (a malformed or oversized event, the cap on connections, the idle timeout) are its
-  transport's (`wyoming_transport`), and so are listening and the connections' loop.
+- while the server drains (beside `serve`: a reload, a SIGTERM) a new `synthesize` / `synthesize-start` ->
+  `error` `shutting_down`; what the connection holds in flight (`in_flight`) is finished first;
+- the connection's own bounds (a malformed or oversized event, the cap on connections, the idle timeout, the write
+  deadline) are its transport's (`wyoming_transport`), and so are listening, the drain and the connections' loop.
 A `synthesize` / `synthesize-start` event's fields are the request declaration's (`cosyedge.device.request`,
 the Wyoming door): the protocol's `voice` (`name`) and `text`, and any declared field as an extension key of
 the event's data (`speed`, `seed`, `deterministic`, `sampling`, `preset`, `mode`, `instruct_text`,

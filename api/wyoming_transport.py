@@ -270,9 +270,8 @@ def start_in_thread(listener: Listener, uri: str) -> Listener:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(listener.serve(uri, lambda _: ready.set()))
-        except (asyncio.CancelledError, OSError) as exc:
-            if isinstance(exc, OSError):
-                log.error("wyoming: cannot listen on %s: %s", uri, exc.strerror or exc)
+        except OSError as exc:
+            log.error("wyoming: cannot listen on %s: %s", uri, exc.strerror or exc)
         finally:
             ready.set()
 
