@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import socket
 import struct
@@ -75,8 +76,9 @@ class Connection(AsyncEventHandler):
         and the socket reset, so neither the process's file nor the kernel's buffers stay held for it."""
         self.cut_by = self.cut_by or why
         sock = self.writer.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        with contextlib.suppress(OSError):  # already closed: nothing left to reset
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         self.writer.transport.abort()
 
     async def run(self) -> None:

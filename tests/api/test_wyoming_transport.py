@@ -181,11 +181,11 @@ def test_a_client_that_never_reads_is_cut_at_the_write_deadline(cosyedge_home):
     """A client that sent two long `synthesize` events and never read its socket held both places in flight and
     its connection for ever: once the socket's buffers were full the server's write waited without a deadline
     (and, the client waiting for audio, the idle timeout never fired). Now an event not taken within
-    `wyoming_write_timeout_s` cuts the connection (a reset): both requests are dead-lettered `write_timeout`, their
+    `wyoming_write_timeout_s` (3 s here) cuts the connection (a reset): both requests are dead-lettered `write_timeout`, their
     places come back (/metrics), and so does the connection (with a cap of one, a new client is served)."""
     port = _free_port()
     env = {"COSYEDGE_WYOMING_URI": f"tcp://127.0.0.1:{port}", "COSYEDGE_HOME": str(cosyedge_home),
-           "COSYEDGE_THREADS": "1", "OMP_NUM_THREADS": "1", "COSYEDGE_WYOMING_WRITE_TIMEOUT_S": "2",
+           "COSYEDGE_THREADS": "1", "OMP_NUM_THREADS": "1", "COSYEDGE_WYOMING_WRITE_TIMEOUT_S": "3",
            "COSYEDGE_WYOMING_MAX_CONNECTIONS": "1"}
     long_text = " ".join(f"Sentence number {i} is here to make the audio long enough for this test."
                          for i in range(26))  # 1,835 characters: 100 s of audio, 4.4 MB, beyond the socket buffers
@@ -197,7 +197,7 @@ def test_a_client_that_never_reads_is_cut_at_the_write_deadline(cosyedge_home):
         try:
             for _ in range(2):
                 sock.sendall(json.dumps({"type": "synthesize", "data": {"text": long_text}}).encode() + b"\n")
-            _wait_until("admitted", lambda: _in_flight(service) == 2)
+            _wait_until("admitted", lambda: _in_flight(service) > 0)  # both, soon (the dead letters show it)
             started = time.monotonic()
             _wait_until("given back", lambda: _in_flight(service) == 0)  # the socket is still open, unread
             given_back = time.monotonic() - started
