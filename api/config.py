@@ -64,6 +64,7 @@ class ServiceConfig:
     wyoming_uri: str | None = None       # also serve the Wyoming protocol here (tcp://127.0.0.1:10200); loopback only
     wyoming_max_connections: int = 64    # Wyoming connections open at once; beyond: an error event and a close
     wyoming_idle_timeout_s: float = 60.0  # a Wyoming connection with nothing received nor being spoken is closed
+    wyoming_write_timeout_s: float = 30.0  # a Wyoming client that takes no audio for this long is cut
     websocket_start_timeout_s: float = 10.0  # a WebSocket session's `start` must come this soon after the handshake
     websocket_max_pending_chars: int | None = None  # text a session holds not yet spoken; None: 4 x max_text_len
     allowed_hosts: tuple[str, ...] = ()  # Host names clients use besides loopback, the bind host and this machine's
@@ -96,6 +97,7 @@ class ServiceConfig:
              f"wyoming_max_connections must be 1-{WYOMING_CONNECTIONS_MAX} (each is an open file; the units allow "
              "65536)"),
             (0 < self.wyoming_idle_timeout_s <= 86400, "wyoming_idle_timeout_s must be in (0, 86400]"),
+            (0 < self.wyoming_write_timeout_s <= 3600, "wyoming_write_timeout_s must be in (0, 3600]"),
             (0 < self.websocket_start_timeout_s <= 3600, "websocket_start_timeout_s must be in (0, 3600]"),
             (self.websocket_max_pending_chars is None
              or self.max_text_len <= self.websocket_max_pending_chars <= PENDING_CHARS_MAX,
@@ -145,7 +147,8 @@ _ENV = {  # environment variable -> field
     "COSYEDGE_API_KEY": "api_key", "COSYEDGE_MAX_STREAMS_PER_CLIENT": "max_streams_per_client",
     "COSYEDGE_LOG_REQUEST_TEXT": "log_request_text", "COSYEDGE_CACHE_MAX_MB": "cache_max_mb",
     "COSYEDGE_WYOMING_URI": "wyoming_uri", "COSYEDGE_WYOMING_MAX_CONNECTIONS": "wyoming_max_connections",
-    "COSYEDGE_WYOMING_IDLE_TIMEOUT_S": "wyoming_idle_timeout_s", "COSYEDGE_ALLOWED_HOSTS": "allowed_hosts",
+    "COSYEDGE_WYOMING_IDLE_TIMEOUT_S": "wyoming_idle_timeout_s",
+    "COSYEDGE_WYOMING_WRITE_TIMEOUT_S": "wyoming_write_timeout_s", "COSYEDGE_ALLOWED_HOSTS": "allowed_hosts",
     "COSYEDGE_WEBSOCKET_START_TIMEOUT_S": "websocket_start_timeout_s",
     "COSYEDGE_WEBSOCKET_MAX_PENDING_CHARS": "websocket_max_pending_chars",
 }

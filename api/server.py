@@ -11,12 +11,16 @@ one request has gone through the batch queue. The arbiter never announces readin
 hidden from it and given back to the worker), so the units say NotifyAccess=all. WATCHDOG=1 pings come from
 the engine worker's loop; a hung engine makes systemd restart the service. SIGTERM: the worker stops
 accepting and says STOPPING=1, WebSocket sessions end with a `shutting_down` event before their next sentence,
-requests under way finish (DRAIN_SECONDS), exit 0. SIGKILL of the arbiter takes the worker with it (PR_SET_PDEATHSIG), so a killed service
-leaves no orphan answering requests or writing the journal.
+requests under way finish (DRAIN_SECONDS), exit 0. Wyoming beside it (`--wyoming`) drains with it: its
+listening socket closes at once, each connection finishes what it holds in flight (a new request:
+`shutting_down`), then closes; one still busy after DRAIN_SECONDS - FINAL_DRAIN_SECONDS is cut, what it held
+dead-lettered. SIGKILL of the arbiter takes the worker with it (PR_SET_PDEATHSIG), so a killed service leaves no
+orphan answering requests or writing the journal.
 
 Bundle updates: when the configured bundle path (the bundle store's `current`) comes to name another bundle, the
-worker says RELOADING=1, drains (readiness off; requests under way finish on the old engine) and ends; the arbiter
-starts a fresh worker that loads the new bundle, warms it up and says READY=1 (docs/deploy.md).
+worker says RELOADING=1, drains (readiness off; requests under way, Wyoming's included, finish on the old engine
+within `request_timeout_s`) and ends; the arbiter starts a fresh worker that loads the new bundle, warms it up
+and says READY=1 (docs/deploy.md).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import signal
 import socket
 import sys
 import threading
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from gunicorn.app.base import BaseApplication
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
     from flask import Flask
 
     from cosyedge.api.service import Service
+    from cosyedge.api.wyoming_transport import Listener
 
 log = logging.getLogger("cosyedge.serve")
 DRAIN_SECONDS = 10.0  # gunicorn's graceful timeout, below the units' TimeoutStopSec=20
@@ -104,17 +110,29 @@ def worker_connections(threads: int) -> int:
     return max(100, threads * 4) + MAX_HEADER_WAITS
 
 
+def _drained(wyoming: "Future[bool] | None", timeout: float) -> bool:
+    """Whether a Wyoming drain (`Listener.drain`, None: no Wyoming) ended with nothing cut, waited for a bounded
+    while: the drain cuts what is left at its own timeout, then a moment for the cut connections to close."""
+    try:
+        return wyoming is None or wyoming.result(timeout + 5)
+    except TimeoutError:
+        return False
+
+
 class _Worker(FrontWorker):
     """gthread with the front check (`front.py`: header deadline and cap, JSON error pages), plus: on SIGTERM readiness goes off at once,
     so /readyz says 503 and WebSocket sessions end."""
 
     service: "Service | None" = None  # set once the app is loaded (post_worker_init)
+    wyoming: "Listener | None" = None  # Wyoming beside HTTP, once it listens
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.alive:
             notify("STOPPING=1")
         if self.service is not None:
             self.service.ready.clear()
+        if self.wyoming is not None:  # stops accepting now; its syntheses under way finish before the worker exits
+            self.wyoming.drain(DRAIN_SECONDS - FINAL_DRAIN_SECONDS)
         super().handle_exit(sig, frame)
 
 
@@ -174,7 +192,7 @@ class _Gunicorn(BaseApplication):
                                  if self.interval else None, heartbeat_interval=self.interval)
             if self.config.wyoming_uri:  # same engine, door, admission and journal as HTTP
                 from cosyedge.api.wyoming import start_for_service
-                start_for_service(service, self.config.wyoming_uri)
+                worker.wyoming = start_for_service(service, self.config.wyoming_uri)
             notify(f"READY=1\nSTATUS=ready: {engine.bundle.manifest.name} on port {self.config.effective_port}")
             announced.set()
             loaded.set()
@@ -192,8 +210,10 @@ class _Gunicorn(BaseApplication):
         this engine), then this worker ends and the arbiter starts a fresh one, which loads what the pointer names,
         warms it up and says READY=1. The listening socket stays open in the arbiter meanwhile."""
         notify("RELOADING=1\nSTATUS=reloading: a new bundle is current")
-        if not service.drain(self.config.request_timeout_s):
-            log.warning("reloading with requests still under way after %.0f s", self.config.request_timeout_s)
+        timeout = self.config.request_timeout_s
+        wyoming = worker.wyoming.drain(timeout) if worker.wyoming is not None else None  # beside HTTP's, at once
+        if not service.drain(timeout) or not _drained(wyoming, timeout):
+            log.warning("reloading with requests still under way after %.0f s", timeout)
         worker.alive = False  # gthread's loop ends as on SIGTERM, without STOPPING=1: the service stays up
 
     def _worker_exit(self, _arbiter: Any, worker: _Worker) -> None:
@@ -202,6 +222,8 @@ class _Gunicorn(BaseApplication):
         service = worker.service
         if service is None:
             return
+        if worker.wyoming is not None and not _drained(worker.wyoming.drain(DRAIN_SECONDS), DRAIN_SECONDS):
+            log.warning("stopping with Wyoming syntheses cut after %.0f s", DRAIN_SECONDS)
         if not service.drain(FINAL_DRAIN_SECONDS):
             log.warning("stopping with requests still under way after %.0f s", DRAIN_SECONDS)
         service.stop()

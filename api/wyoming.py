@@ -1,8 +1,9 @@
-"""The Wyoming protocol (Home Assistant's and Rhasspy's voice pipeline), standalone (`cosyedge wyoming`) or beside
-`cosyedge serve`: both are a `Service` (admission, journal, the engine's door) without or with HTTP.
+"""The Wyoming protocol's TTS handler (Home Assistant's and Rhasspy's voice pipeline): what each event asks for, as
+door requests, standalone (`cosyedge wyoming`) or beside `cosyedge serve`: both are a `Service` (admission,
+journal, the engine's door) without or with HTTP.
 
-Built on the maintained `wyoming` package (its events and `AsyncEventHandler`); one asyncio loop reads the
-clients. Events:
+Built on the maintained `wyoming` package (its events and `AsyncEventHandler`, under `wyoming_transport`'s
+`Connection`). Events:
 - `describe` -> `info`: one TTS program listing every voice of the loaded bundle, with the languages and the
   attribution the engine describes, streaming supported;
 - `synthesize` -> `audio-start`, `audio-chunk`* (as the door makes the audio), `audio-stop`;
@@ -14,9 +15,10 @@ clients. Events:
 - bad input (unknown voice, nothing speakable, text too long, a chunk outside a stream) -> `error` with the
   code HTTP answers the same input with; beyond `queue_size` -> `error` `queue_full`; the connection stays usable;
   a second `synthesize-start` while a stream is open -> `error` `stream_open`, the open stream goes on;
-- a malformed or oversized event (`wyoming_events`) -> `error` `bad_request` / `event_too_large`, then a normal
-  close (the byte stream cannot be trusted after it); beyond `wyoming_max_connections` -> `too_many_connections`,
-  nothing received for `wyoming_idle_timeout_s` while nothing is spoken -> `idle_timeout`, each then a close.
+- while the server drains (beside `serve`: a reload, a SIGTERM) a new `synthesize` / `synthesize-start` ->
+  `error` `shutting_down`; what the connection holds in flight (`in_flight`) is finished first;
+- the connection's own bounds (a malformed or oversized event, the cap on connections, the idle timeout, the write
+  deadline) are its transport's (`wyoming_transport`), and so are listening, the drain and the connections' loop.
 A `synthesize` / `synthesize-start` event's fields are the request declaration's (`cosyedge.device.request`,
 the Wyoming door): the protocol's `voice` (`name`) and `text`, and any declared field as an extension key of
 the event's data (`speed`, `seed`, `deterministic`, `sampling`, `preset`, `mode`, `instruct_text`,
@@ -24,54 +26,40 @@ the event's data (`speed`, `seed`, `deterministic`, `sampling`, `preset`, `mode`
 does not take (`format`, `stream`) is refused with `unknown_field`.
 
 Each connection reads its events as they arrive and speaks in order on a task of its own: a `synthesize` or a
-`synthesize-chunk` is journalled on arrival, before anything else happens to it (routes `wyoming:synthesize`,
-`wyoming:synthesize-chunk`), and closed once its audio is out; what is accepted and not delivered (a failure, a
-client gone, a SIGKILL) ends in the dead-letter file. A `synthesize` and a whole streamed request
-(`synthesize-start` to its last audio) each hold one place among the requests in flight. The audio comes from
-the door like every protocol's: CosyVoice chunks as they are vocoded (split into events of CHUNK_SAMPLES), VITS
-sentences in turn with the other requests.
+`synthesize-chunk` is journalled on arrival (`wyoming_requests`), before anything else happens to it (routes
+`wyoming:synthesize`, `wyoming:synthesize-chunk`), and closed once its audio is out; what is accepted and not
+delivered (a failure, a client gone, a SIGKILL) ends in the dead-letter file. A `synthesize` and a whole
+streamed request (`synthesize-start` to its last audio) each hold one place among the requests in flight. The
+audio comes from the door like every protocol's: CosyVoice chunks as they are vocoded (split into events of
+CHUNK_SAMPLES), VITS sentences in turn with the other requests.
 """
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
-import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
-from urllib.parse import urlparse
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
-from wyoming.error import Error
 from wyoming.event import Event
 from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice
-from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from cosyedge.api.admission import Ticket
-from cosyedge.api.errors import ApiError
-from cosyedge.api.journal import PieceJournal
+from cosyedge.api.errors import ApiError, ShuttingDown
 from cosyedge.api.security import check_wyoming_bind
 from cosyedge.api.service import Service
-from cosyedge.api.wyoming_events import max_event_bytes, read_event
 from cosyedge.api.synthesis import detail
-from cosyedge.device import (CosyedgeError, EmptyTextError, Engine, InputError, SentenceStream, TextTooLongError,
-                             to_pcm16)
+from cosyedge.api.wyoming_requests import OneShot, RefusedStream, StreamRequest, event_request, journal_unavailable
+from cosyedge.api.wyoming_transport import Connection, Listener, log, parse_uri, start_in_thread
+from cosyedge.device import CosyedgeError, EmptyTextError, InputError, TextTooLongError, to_pcm16
 from cosyedge.device import request as declaration
 from cosyedge.device.audio import Resampler
 from cosyedge.device.door import Chunk, Job, Stream
 from cosyedge.device.errors import SynthesisFailed, UnknownFieldError
 
-log = logging.getLogger("cosyedge.wyoming")
-
 CHUNK_SAMPLES = 2048  # per audio-chunk event (wyoming-piper sends 1024; fewer events, same latency per sentence)
-ROUTE = "wyoming:synthesize"
-STREAM_ROUTE = "wyoming:synthesize-chunk"
 LEFT = "the client left before this text was spoken"
 STREAM_UNSPOKEN_FACTOR = 4  # x max_text_len: the characters a stream may hold cut and not yet spoken
-DRAIN_S, DRAIN_BYTES = 2.0, 1 << 20  # after an error event that ends a connection: what is read and dropped
-# Keys of a synthesize event's data that are the protocol's own, not request fields: `voice` (read below),
-# `text_format` (only plain text is spoken) and `context` (the conversation's, nothing to do with the audio).
-PROTOCOL_KEYS = ("voice", "text_format", "context")
 
 
 class WyomingTts:
@@ -100,144 +88,35 @@ class WyomingTts:
         """What the journal keeps of a request besides its text."""
         return {"voice": request.options.voice, "speed": request.options.speed, "format": "pcm", "stream": stream}
 
-
-def event_request(data: dict[str, Any], defaults: Mapping[str, Any], engine: Engine,
-                  aliases: Mapping[str, str]) -> declaration.Request:
-    """A synthesize / synthesize-start event's request (its data as sent) over `defaults` (the `cosyedge wyoming`
-    flags), checked as every door checks it."""
-    if not isinstance(data, dict):
-        raise InputError("an event's data must be an object")
-    voice = data.get("voice")
-    if voice is not None and not isinstance(voice, dict):
-        raise InputError("voice must be an object with a name")
-    if (voice or {}).get("speaker") is not None:
-        raise UnknownFieldError("voice.speaker: these voices have no speakers; choose a voice by its name")
-    if data.get("text_format") not in (None, "text"):
-        raise InputError("only text_format 'text' is spoken (no SSML)")
-    fields = {key: value for key, value in data.items() if key not in PROTOCOL_KEYS}
-    name = (voice or {}).get("name")  # a language alone: the bundle's default voice
-    values = {**defaults, **fields, **({"voice": name} if name is not None else {})}
-    return declaration.parse(values, declaration.WYOMING, engine, aliases)
+    def connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Handler:
+        """A client's connection (what the transport's server makes of each)."""
+        return Handler(self, reader, writer)
 
 
-class _Request:
-    """A one-shot `synthesize`, admitted and journalled on arrival; `settle` closes it once: delivered (None) or
-    dead-lettered with why."""
-
-    def __init__(self, service: Service, payload: dict[str, Any], ticket: Ticket) -> None:
-        self.journal, self.payload, self.ticket = service.journal, payload, ticket
-        self.request_id = uuid.uuid4().hex[:16]
-        self.settled = False
-        try:
-            self.journal.accepted(self.request_id, ROUTE, payload)
-        except OSError:
-            ticket.release()
-            raise _journal_unavailable() from None
-
-    def settle(self, why: str | None) -> None:
-        if self.settled:
-            return
-        self.settled = True
-        if why is None:
-            self.journal.finished(self.request_id)
-        else:
-            self.journal.dead_letter(ROUTE, self.request_id, self.payload, why)
-        self.ticket.release()
-
-
-class _Stream:
-    """One streaming request: its request fields, splitter, pieces journalled on arrival and place in flight; `settle`
-    closes its pieces (delivered: None, else dead-lettered with why) and gives its place back."""
-
-    def __init__(self, service: Service, request: declaration.Request, ticket: Ticket) -> None:
-        self.request, self.ticket = request, ticket
-        self.pieces = PieceJournal(service.journal, STREAM_ROUTE, uuid.uuid4().hex[:16])
-        self.splitter = SentenceStream(max_chars=min(400, service.config.max_text_len))
-        self.spoken = 0  # sentences spoken
-        self.queued = 0  # characters of the sentences cut and not yet spoken (the splitter holds at most 400 more)
-        self.settled = False
-
-    def settle(self, why: str | None) -> None:
-        if self.settled:
-            return
-        self.settled = True
-        self.pieces.close(why)
-        self.ticket.release()
-
-
-class _Refused:
-    """A streaming request refused at `synthesize-start` (queue full): its chunks and stop are dropped."""
-
-
-def _journal_unavailable() -> ApiError:
-    return ApiError(503, "journal_unavailable", "the service cannot record requests (state directory not "
-                    "writable); retry later")
-
-
-class Handler(AsyncEventHandler):
+class Handler(Connection):
     """One client connection: events handled as they arrive, speech in order on the connection's speaker task."""
 
     def __init__(self, tts: WyomingTts, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        super().__init__(reader, writer)
+        super().__init__(tts.service.config, reader, writer)
         self.tts = tts
         self.service = tts.service
-        self.stream: _Stream | _Refused | None = None
+        self.stream: StreamRequest | RefusedStream | None = None
         self.work: asyncio.Queue[Callable[[], Awaitable[None]]] = asyncio.Queue()
         self.speaker: asyncio.Task | None = None
-        self.open: list[_Request | _Stream] = []  # accepted and not yet delivered
+        self.open: list[OneShot | StreamRequest] = []  # accepted and not yet delivered
         self.speaking = 0  # 1 while the speaker task works (the connection is then not idle)
 
-    async def run(self) -> None:
-        """Events as they arrive, each read bounded and checked (`wyoming_events`); a malformed one is answered
-        with an `error` event, then the connection closes normally."""
-        config = self.service.config
-        limit, idle = max_event_bytes(config.max_text_len), config.wyoming_idle_timeout_s
-        read: asyncio.Future | None = None
-        try:
-            while True:
-                read = read or asyncio.ensure_future(read_event(self.reader, limit))
-                if not (await asyncio.wait({read}, timeout=idle))[0]:
-                    if self.speaking or not self.work.empty():  # the client waits for its audio: not idle
-                        continue
-                    read.cancel()
-                    await self.end(ApiError(408, "idle_timeout", f"nothing received for {idle:.0f} s"))
-                    break
-                try:
-                    event, read = read.result(), None
-                except ApiError as exc:
-                    await self.end(exc)
-                    break
-                if event is None:
-                    break
-                await self.handle_event(event)
-        finally:
-            await self.disconnect()
-            self.writer.close()
+    def busy(self) -> bool:
+        return bool(self.speaking) or not self.work.empty()
 
-    async def end(self, why: ApiError) -> None:
-        """The connection ends on an error: its event, then a normal close."""
-        await self._error(why, "an")
-        await self._drain()
-
-    async def _drain(self) -> None:
-        """Before closing after an error event: say we are done, then read (and drop) what the client is still
-        sending, a bounded while, so the close is a FIN after the error event, not a reset that could lose it."""
-        try:
-            self.writer.write_eof()
-            deadline, dropped = asyncio.get_running_loop().time() + DRAIN_S, 0
-            while dropped < DRAIN_BYTES and (left := deadline - asyncio.get_running_loop().time()) > 0:
-                piece = await asyncio.wait_for(self.reader.read(65536), left)
-                if not piece:
-                    return
-                dropped += len(piece)
-        except (OSError, RuntimeError, asyncio.TimeoutError):  # the client is gone or keeps talking: close anyway
-            pass
+    def in_flight(self) -> bool:
+        return bool(self.open) or self.busy()
 
     async def handle_event(self, event: Event) -> bool:
         try:
             await self._handle(event)
         except Exception as exc:  # noqa: BLE001 - every failure is an error event; the connection stays usable
-            await self._error(exc, event.type)
+            await self.send_error(_answer(exc, event.type))
         return True
 
     async def disconnect(self) -> None:
@@ -248,27 +127,10 @@ class Handler(AsyncEventHandler):
                 await self.speaker
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
                 pass
+        why = detail(self.cut_by) if self.cut_by is not None else LEFT
         for accepted in self.open:
-            accepted.settle(LEFT)
+            accepted.settle(why)
         self.open.clear()
-
-    async def _error(self, exc: BaseException, what: str) -> None:
-        if isinstance(exc, SynthesisFailed):
-            error = Error(text="synthesis failed", code="synthesis_failed")
-        elif isinstance(exc, CosyedgeError):  # the code HTTP answers the same input with
-            answer = ApiError.from_device(exc)
-            error = Error(text=answer.message, code=answer.code)
-        elif isinstance(exc, ApiError):  # the service's: queue full, journal unavailable
-            error = Error(text=exc.message, code=exc.code)
-        elif isinstance(exc, (KeyError, TypeError, ValueError)):  # a malformed event (missing or mistyped field)
-            error = Error(text=f"malformed {what} event", code="bad_request")
-        else:
-            log.error("wyoming: %s failed: %s: %s", what, type(exc).__name__, exc)
-            error = Error(text="synthesis failed", code="synthesis_failed")
-        try:
-            await self.write_event(error.event())
-        except (ConnectionError, RuntimeError):  # the client is gone
-            pass
 
     # -- events, as they arrive ------------------------------------------------------------------
     async def _handle(self, event: Event) -> None:
@@ -278,18 +140,18 @@ class Handler(AsyncEventHandler):
             if self.stream is None:  # while streaming this is the compatibility copy of the same text: ignored
                 await self._synthesize(self.tts.request(event.data))
         elif SynthesizeStart.is_type(event.type):
-            if isinstance(self.stream, _Stream) and not self.stream.settled:  # its text is not dropped unspoken
+            if isinstance(self.stream, StreamRequest) and not self.stream.settled:  # its text is not dropped unspoken
                 raise ApiError(409, "stream_open", "synthesize-start while a stream is open; send synthesize-stop "
                                "first (the open stream goes on)")
             request = self.tts.request(event.data)
             if request.text is not None:
                 raise UnknownFieldError("synthesize-start carries no text; send it in synthesize-chunk events")
             try:
-                ticket = self.service.admission.admit()[0]
+                ticket = self._admit()
             except ApiError:
-                self.stream = _Refused()
+                self.stream = RefusedStream()
                 raise
-            self.stream = _Stream(self.service, request, ticket)
+            self.stream = StreamRequest(self.service, request, ticket)
             self.open.append(self.stream)
         elif SynthesizeChunk.is_type(event.type):
             self._chunk(SynthesizeChunk.from_event(event).text)
@@ -297,7 +159,7 @@ class Handler(AsyncEventHandler):
             stream, self.stream = self.stream, None
             if stream is None:
                 raise InputError("synthesize-stop without synthesize-start")
-            if isinstance(stream, _Stream):
+            if isinstance(stream, StreamRequest):
                 for sentence in stream.splitter.flush():
                     self._enqueue_sentence(stream, sentence)
                 self._enqueue(lambda s=stream: self._stopped(s))
@@ -307,8 +169,8 @@ class Handler(AsyncEventHandler):
         if request.text is None:
             raise InputError("text must be a string")
         segments = await asyncio.get_running_loop().run_in_executor(None, self.tts.engine.segments, request.text)
-        ticket = self.service.admission.admit()[0]
-        accepted = _Request(self.service, {"text": request.text, **self.tts.payload(request, stream=False)}, ticket)
+        ticket = self._admit()
+        accepted = OneShot(self.service, {"text": request.text, **self.tts.payload(request, stream=False)}, ticket)
         self.open.append(accepted)
 
         async def speak() -> None:
@@ -320,9 +182,15 @@ class Handler(AsyncEventHandler):
             self._settle(accepted, None)
         self._enqueue(speak)
 
+    def _admit(self) -> Ticket:
+        """A new request's place in flight; none while the server drains (`shutting_down`)."""
+        if self.stopping:
+            raise ShuttingDown()
+        return self.service.admission.admit()[0]
+
     def _chunk(self, text: object) -> None:
         stream = self.stream
-        if isinstance(stream, _Refused) or (isinstance(stream, _Stream) and stream.settled):
+        if isinstance(stream, RefusedStream) or (isinstance(stream, StreamRequest) and stream.settled):
             return  # refused at its start, or failed on an earlier sentence: the client has its error event
         if stream is None:
             raise InputError("synthesize-chunk without synthesize-start")
@@ -339,7 +207,7 @@ class Handler(AsyncEventHandler):
         try:
             stream.pieces.accept(text, self.tts.payload(stream.request, stream=True))
         except OSError:
-            raise _journal_unavailable() from None
+            raise journal_unavailable() from None
         for sentence in stream.splitter.feed(text):
             self._enqueue_sentence(stream, sentence)
 
@@ -349,11 +217,11 @@ class Handler(AsyncEventHandler):
             self.speaker = asyncio.get_running_loop().create_task(self._speak_in_order())
         self.work.put_nowait(work)
 
-    def _enqueue_sentence(self, stream: _Stream, sentence: str) -> None:
+    def _enqueue_sentence(self, stream: StreamRequest, sentence: str) -> None:
         stream.queued += len(sentence)
         self._enqueue(lambda: self._speak_sentence(stream, sentence))
 
-    def _settle(self, accepted: _Request | _Stream, why: str | None) -> None:
+    def _settle(self, accepted: OneShot | StreamRequest, why: str | None) -> None:
         accepted.settle(why)
         if accepted in self.open:
             self.open.remove(accepted)
@@ -365,17 +233,18 @@ class Handler(AsyncEventHandler):
             try:
                 await work()
             except Exception as exc:  # noqa: BLE001 - an error event; the connection goes on
-                await self._error(exc, "synthesize")
+                await self.send_error(_answer(exc, "synthesize"))
             finally:
                 self.speaking = 0
+                self.changed()
 
-    async def _speak_sentence(self, stream: _Stream, sentence: str) -> None:
+    async def _speak_sentence(self, stream: StreamRequest, sentence: str) -> None:
         try:
             await self._speak_queued(stream, sentence)
         finally:
             stream.queued -= len(sentence)
 
-    async def _speak_queued(self, stream: _Stream, sentence: str) -> None:
+    async def _speak_queued(self, stream: StreamRequest, sentence: str) -> None:
         if stream.settled:  # failed on an earlier sentence: the error event was sent
             return
         try:
@@ -388,7 +257,7 @@ class Handler(AsyncEventHandler):
         stream.spoken += 1
         stream.pieces.spoke(sentence)
 
-    async def _stopped(self, stream: _Stream) -> None:
+    async def _stopped(self, stream: StreamRequest) -> None:
         """The stream's last sentence is out: close its entries and its place, say `synthesize-stopped`."""
         if stream.settled:
             return
@@ -414,6 +283,20 @@ class Handler(AsyncEventHandler):
         for start in range(0, len(pcm), CHUNK_SAMPLES * 2):
             await self.write_event(AudioChunk(rate=rate, width=2, channels=1,
                                               audio=pcm[start:start + CHUNK_SAMPLES * 2]).event())
+
+
+def _answer(exc: BaseException, what: str) -> ApiError:
+    """The error event a failure is answered with: the code HTTP answers the same input with."""
+    if isinstance(exc, SynthesisFailed):
+        return ApiError(500, "synthesis_failed", "synthesis failed")
+    if isinstance(exc, CosyedgeError):
+        return ApiError.from_device(exc)
+    if isinstance(exc, ApiError):  # the service's: queue full, journal unavailable
+        return exc
+    if isinstance(exc, (KeyError, TypeError, ValueError)):  # a malformed event (missing or mistyped field)
+        return ApiError(400, "bad_request", f"malformed {what} event")
+    log.error("wyoming: %s failed: %s: %s", what, type(exc).__name__, exc)
+    return ApiError(500, "synthesis_failed", "synthesis failed")
 
 
 async def _chunks(stream: Stream) -> AsyncIterator[Chunk]:
@@ -447,78 +330,9 @@ async def _chunks(stream: Stream) -> AsyncIterator[Chunk]:
         stream.close()
 
 
-def parse_uri(uri: str) -> tuple[str, int]:
-    """tcp://HOST:PORT (port 0: a free one)."""
-    parsed = urlparse(uri)
-    try:
-        port = parsed.port
-    except ValueError:
-        port = None
-    if parsed.scheme != "tcp" or not parsed.hostname or port is None:
-        raise InputError(f"--uri must look like tcp://127.0.0.1:10200, not {uri[:64]!r}")
-    return parsed.hostname, port
-
-
-async def serve_async(tts: WyomingTts, uri: str, started: Callable[[int], None] = lambda port: None,
-                      zeroconf: str | None = None) -> None:
-    """Listen on `uri` until cancelled; `started(port)` once bound."""
-    host, port = parse_uri(uri)
-
-    open_now = [0]  # connections of this server (one loop: no lock)
-
-    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handler = Handler(tts, reader, writer)
-        if open_now[0] >= tts.service.config.wyoming_max_connections:
-            await handler.end(ApiError(503, "too_many_connections", "too many Wyoming connections; retry later"))
-            writer.close()
-            return
-        open_now[0] += 1
-        try:
-            await handler.run()
-        finally:
-            open_now[0] -= 1
-
-    server = await asyncio.start_server(client, host, port, limit=max_event_bytes(tts.service.config.max_text_len))
-    bound = server.sockets[0].getsockname()[1]
-    if zeroconf is not None:
-        try:
-            from wyoming.zeroconf import HomeAssistantZeroconf  # needs the `zeroconf` package: only with the flag
-        except ImportError:
-            raise InputError("--zeroconf needs the zeroconf package (pip install zeroconf)") from None
-        await HomeAssistantZeroconf(port=bound, name=zeroconf or None).register_server()
-    started(bound)
-    async with server:
-        await server.serve_forever()
-
-
-def start_in_thread(tts: WyomingTts, uri: str) -> tuple[int, Callable[[], None]]:
-    """The server on its own loop in a daemon thread (beside the HTTP service): (port, stop)."""
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    port: list[int] = []
-    task: list[asyncio.Task] = []
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        task.append(loop.create_task(serve_async(tts, uri, lambda p: (port.append(p), ready.set()))))
-        try:
-            loop.run_until_complete(task[0])
-        except (asyncio.CancelledError, OSError) as exc:
-            if isinstance(exc, OSError):
-                log.error("wyoming: cannot listen on %s: %s", uri, exc.strerror or exc)
-        finally:
-            ready.set()
-
-    threading.Thread(target=run, name="cosyedge-wyoming", daemon=True).start()
-    ready.wait()
-    if not port:
-        raise InputError(f"cannot listen on {uri}")
-    return port[0], lambda: loop.call_soon_threadsafe(task[0].cancel)
-
-
-def start_for_service(service: Service, uri: str) -> int:
-    """Wyoming beside `cosyedge serve`: the service's admission, journal and door; returns the port."""
+def start_for_service(service: Service, uri: str) -> Listener:
+    """Wyoming beside `cosyedge serve`: the service's admission, journal and door; the listener drains with it."""
     check_wyoming_bind(uri)
-    port, _ = start_in_thread(WyomingTts(service), uri)
-    log.info("wyoming: listening on tcp://%s:%d (same engine as HTTP)", parse_uri(uri)[0], port)
-    return port
+    listener = start_in_thread(Listener(WyomingTts(service).connect, service.config), uri)
+    log.info("wyoming: listening on tcp://%s:%d (same engine as HTTP)", parse_uri(uri)[0], listener.port)
+    return listener

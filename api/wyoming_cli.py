@@ -1,6 +1,6 @@
-"""`cosyedge wyoming`: the Wyoming server as a command (cosyedge.api.wyoming holds the server), on a `Service` of
-its own (the admission, journal and door `serve` has, in the configuration's state directory); imports are lazy
-so that `cosyedge --help` stays fast."""
+"""`cosyedge wyoming`: the Wyoming server as a command (cosyedge.api.wyoming_transport listens, cosyedge.api.wyoming
+handles the events), on a `Service` of its own (the admission, journal and door `serve` has, in the configuration's
+state directory); imports are lazy so that `cosyedge --help` stays fast."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,8 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
     from cosyedge.api.config import load_config
     from cosyedge.api.security import is_loopback
     from cosyedge.api.service import Service, load_engine
-    from cosyedge.api.wyoming import WyomingTts, log, parse_uri, serve_async
+    from cosyedge.api.wyoming import WyomingTts
+    from cosyedge.api.wyoming_transport import Listener, log, parse_uri
     from cosyedge.device.request import cli_values
     host, _ = parse_uri(args.uri)
     if not is_loopback(host) and not args.allow_remote:
@@ -36,8 +37,8 @@ def cmd_wyoming(args: argparse.Namespace) -> int:
         assert task is not None
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
-        await serve_async(tts, args.uri, lambda port: log.info("wyoming: listening on tcp://%s:%d", host, port),
-                          args.zeroconf)
+        await Listener(tts.connect, config).serve(
+            args.uri, lambda port: log.info("wyoming: listening on tcp://%s:%d", host, port), args.zeroconf)
 
     try:
         asyncio.run(main())

@@ -37,6 +37,8 @@ def test_instance_offsets_port_and_env_aliases():
     ({"COSYEDGE_PRECISION": "fp64"}, "precision"),
     ({"COSYEDGE_VOICE_ALIASES": "alloy"}, "name=voice"),
     ({"COSYEDGE_WYOMING_MAX_CONNECTIONS": "65536"}, "wyoming_max_connections must be 1-32768"),  # the units' files
+    ({"COSYEDGE_WYOMING_WRITE_TIMEOUT_S": "0"}, r"wyoming_write_timeout_s must be in \(0, 3600\]"),
+    ({"COSYEDGE_WYOMING_WRITE_TIMEOUT_S": "soon"}, "COSYEDGE_WYOMING_WRITE_TIMEOUT_S"),
 ])
 def test_invalid_values_are_named(env, words):
     with pytest.raises(ConfigError, match=words):

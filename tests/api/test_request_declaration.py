@@ -18,7 +18,7 @@ from cosyedge.api import bodies, openapi
 from cosyedge.api.config import ServiceConfig
 from cosyedge.api.errors import DEVICE_ERRORS, ApiError
 from cosyedge.api.routes.websocket import start_request
-from cosyedge.api.wyoming import event_request
+from cosyedge.api.wyoming_requests import event_request
 from cosyedge.device import request as declaration
 from cosyedge.device.cli import build_parser
 from cosyedge.device.engine import Engine

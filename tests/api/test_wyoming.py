@@ -22,7 +22,7 @@ from apitools import api_config, run_server
 from cosyedge.api.bench.harness import ServiceProcess, TreeMemory
 from requesttools import HOSTILE, case_id
 from cosyedge.api.journal import CRASHED, DEAD_LETTER, INFLIGHT, read_jsonl
-from cosyedge.api.wyoming import STREAM_ROUTE
+from cosyedge.api.wyoming_requests import STREAM_ROUTE
 from wyoming.audio import AudioChunk, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.error import Error
