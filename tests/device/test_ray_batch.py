@@ -1,7 +1,8 @@
 """synth-batch on a Ray cluster (issue 22 item 4): a real local cluster on loopback, the default voice,
 --deterministic. The actors' files are the local job's, byte for byte; an actor killed mid-job (ray.kill, or a
 SIGKILL of its worker process) loses no line and writes none twice; a rerun skips every line; the command line
-starts and ends a throwaway cluster of its own. (Ray missing: tests/device/test_cli.py.)"""
+starts and ends a throwaway cluster of its own; bench-batch measures one engine and a cluster in one run. (Ray
+missing: tests/device/test_cli.py.)"""
 from __future__ import annotations
 
 import importlib.util
@@ -55,6 +56,28 @@ def test_the_command_runs_the_job_on_a_throwaway_local_cluster(default_bundle_pa
     assert summary == {**summary, "total": 3, "done": 3, "failed": 0, "actors": 2, "actors_lost": 0}
     assert sorted(_files(out)) == ["000001.wav", "000002.wav", "000003.wav"]
     assert (out / DEAD_LETTER).read_text() == ""
+
+
+def test_bench_batch_reports_every_run_and_their_files_are_the_same(default_bundle_path, tmp_path):
+    """`cosyedge bench-batch` (issue 22 item 5): in flight 1 and 2 on one engine, then two actors on a local
+    cluster, in one run; the JSON has a row per run with its throughput, and every run made the same files."""
+    book = tmp_path / "book.txt"
+    book.write_text("One small line.\nTwo small lines.\nThree small lines! Really? Yes.\nFour.\n")
+    result = _cosyedge("bench-batch", str(book), "--bundle", str(default_bundle_path), "--precision", "fp32",
+                       "--in-flight", "1,2", "--actors", "2", "--threads", "1", "--out-dir", str(tmp_path / "runs"),
+                       "--json", str(tmp_path / "bench.json"), home=default_bundle_path.parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["run"] for r in report["runs"]] == ["in-flight-1", "in-flight-2", "ray-2-actors"]
+    assert [(r["engines"], r["threads"], r["in_flight"]) for r in report["runs"]] == [(1, 1, 1), (1, 1, 2), (2, 1, 2)]
+    for row in report["runs"]:
+        assert row["lines"] == 4 and row["failed"] == 0 and row["audio_s"] > 1
+        assert row["lines_per_hour"] > 0 and row["audio_s_per_s"] > 0 and 0 < row["rtf"] < 10
+        assert row["rtf"] == pytest.approx(row["wall_s"] / row["audio_s"], rel=0.1, abs=0.01)
+    assert report["identical"] is True and report["differ"] == []
+    runs = [_files(tmp_path / "runs" / r["run"]) for r in report["runs"]]
+    assert len(runs[0]) == 4 and all(files == runs[0] for files in runs)
+    assert "ray-2-actors" in result.stdout and "byte-identical" in result.stdout  # the table
 
 
 @pytest.fixture(scope="module")
