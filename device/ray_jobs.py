@@ -51,7 +51,9 @@ def require_ray() -> None:
 
 
 def _import_ray(one_box: bool) -> Any:
-    """Ray, or the one-line error that names the extra."""
+    """Ray, or the one-line error that names the extra. An appliance is offline: Ray's usage statistics are off
+    unless the environment turns them on."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if one_box:
         os.environ.setdefault(_ONE_BOX, "0")  # read when ray is first imported
     try:
@@ -76,15 +78,17 @@ def cluster(address: str, cpus: int | None = None) -> Iterator[Any]:
     ray = _import_ray(local or address.rpartition(":")[0] in _LOOPBACK)
     temp = tempfile.mkdtemp(prefix="cosyedge-ray-") if local else None
     try:
-        if local:
+        if local:  # the workers' TMPDIR inside it too: the scratch files of a worker killed mid-line go with it
+            (Path(temp) / "tmp").mkdir()
             ray.init(address="local", num_cpus=cpus or len(os.sched_getaffinity(0)), include_dashboard=False,
-                     _temp_dir=temp, log_to_driver=False)
+                     _temp_dir=temp, log_to_driver=False, runtime_env={"env_vars": {"TMPDIR": f"{temp}/tmp"}})
         else:
             ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
-        raise InputError(f"--ray {address[:80]}: no Ray cluster there ({str(exc).splitlines()[0][:160]})") from None
+        raise InputError(f"--ray {address[:80]}: no Ray cluster there ({str(exc).splitlines()[0][:160]}; a cluster "
+                         "with token authentication: RAY_AUTH_MODE=token and its token, docs/scale-out.md)") from None
     try:
         yield ray
     finally:

@@ -1,16 +1,18 @@
 """synth-batch on a Ray cluster (issue 22 item 4): a real local cluster on loopback, the default voice,
 --deterministic. The actors' files are the local job's, byte for byte; an actor killed mid-job (ray.kill, or a
 SIGKILL of its worker process) loses no line and writes none twice; a rerun skips every line; the command line
-starts and ends a throwaway cluster of its own; bench-batch measures one engine and a cluster in one run. (Ray
-missing: tests/device/test_cli.py.)"""
+starts and ends a throwaway cluster of its own, or uses the one `ray start --head` made and leaves it running;
+bench-batch measures one engine and a cluster in one run. (Ray missing: tests/device/test_cli.py.)"""
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -56,6 +58,43 @@ def test_the_command_runs_the_job_on_a_throwaway_local_cluster(default_bundle_pa
     assert summary == {**summary, "total": 3, "done": 3, "failed": 0, "actors": 2, "actors_lost": 0}
     assert sorted(_files(out)) == ["000001.wav", "000002.wav", "000003.wav"]
     assert (out / DEAD_LETTER).read_text() == ""
+
+
+def test_the_command_runs_the_job_on_a_running_cluster_and_leaves_it_running(default_bundle_path, tmp_path):
+    """`--ray HOST:PORT`: a cluster started by `ray start --head` (loopback, no dashboard, a temporary directory
+    of its own) renders the job, and is still there after it for the next one."""
+    temp = Path(tempfile.mkdtemp(prefix="cosyedge-head-"))  # short: Ray's socket paths live under it
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--port=0", "--num-cpus=2",
+                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}", "--block"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (temp / "ray_current_cluster").is_file() and head.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        address = (temp / "ray_current_cluster").read_text().split()[0]
+        assert address.startswith("127.0.0.1:")
+        book = tmp_path / "book.txt"
+        book.write_text("One small line.\nTwo small lines.\n")
+        for run in range(2):
+            result = subprocess.run(
+                [sys.executable, "-m", "cosyedge.device.cli", "synth-batch", str(book), "--out-dir",
+                 str(tmp_path / "out"), "--bundle", str(default_bundle_path), "--precision", "fp32", "--ray", address,
+                 "--quiet"],
+                capture_output=True, text=True, timeout=300,
+                env={**os.environ, "COSYEDGE_HOME": str(default_bundle_path.parents[1]), "RAY_AUTH_MODE": "token"})
+            assert result.returncode == 0, result.stderr[-3000:]
+            summary = json.loads(result.stdout.strip().splitlines()[-1])
+            assert summary == {**summary, "total": 2, "done": 2 - 2 * run, "skipped": 2 * run, "actors": 1}
+        assert head.poll() is None  # the job only left the cluster
+    finally:
+        head.terminate()  # `ray start --block` stops its node's processes on SIGTERM
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(10)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_bench_batch_reports_every_run_and_their_files_are_the_same(default_bundle_path, tmp_path):
