@@ -39,8 +39,6 @@ ACTORS_MAX = IN_FLIGHT_MAX  # the driver keeps at most IN_FLIGHT_MAX lines in fl
 # Ray's own switch for a one-machine cluster (its macOS/Windows mode): every process on 127.0.0.1, no other node.
 _ONE_BOX = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _LOOPBACK = ("127.0.0.1", "localhost")
-
-
 _MISSING = "--ray needs Ray on this machine and on every node: pip install 'cosyedge[ray]'"
 
 
@@ -190,7 +188,11 @@ class Actors:
             self.lost += 1
             self._ray.kill(lost)  # gone already, or unreachable: either way not used again
             fresh = self._make()
-            self._get(fresh.start.remote(self._values), START_S)
+            try:
+                self._get(fresh.start.remote(self._values), START_S)
+            except BaseException:  # no engine there (no room, a node without the bundle): the line fails, not the job
+                self._ray.kill(fresh)
+                raise
             self.handles[slot] = fresh
 
     def close(self) -> None:
