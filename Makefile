@@ -21,8 +21,8 @@ $(VENV)/bin/python:
 runtime: $(VENV)/bin/python  ## the device runtime + API: numpy and ONNX Runtime, no torch
 	$(PIP) -e .
 
-buildhost: system-deps $(VENV)/bin/python  ## everything, including the build-host tools (torch 2.13.0 CPU) and tests
-	$(PIP) -e ".[quantize,test]"
+buildhost: system-deps $(VENV)/bin/python  ## everything, including the build-host tools (torch 2.13.0 CPU), Ray and tests
+	$(PIP) -e ".[quantize,ray,test]"
 
 # onnxruntime and onnxruntime-gpu share the import name `onnxruntime`: never both in one venv. An extra cannot remove
 # a base dependency, so the GPU runtime is the CPU runtime with the wheel swapped. On Jetson, ORT_GPU is the path of

@@ -83,10 +83,19 @@ def cmd_synth_batch(args: argparse.Namespace) -> int:
     check_sample_rate(args.sample_rate)  # before the engine loads
     if args.in_flight is not None:
         check_in_flight(args.in_flight)
-    engine = _engine(args)
-    job = request.parse(request.cli_values(args, request.SYNTH_BATCH), request.SYNTH_BATCH, engine)
-    summary = run_job(engine, lines, out_dir, job, progress=not args.quiet, in_flight=args.in_flight,
-                      subtitles=args.subtitles)
+    if args.ray is not None:
+        from cosyedge.device.ray_jobs import check_actors, run_ray_job
+        summary = run_ray_job(args.ray, lines, out_dir, request.cli_values(args, request.SYNTH_BATCH),
+                              bundle=args.bundle, precision=args.precision, target=args.target,
+                              actors=None if args.actors is None else check_actors(args.actors),
+                              in_flight=args.in_flight, subtitles=args.subtitles, progress=not args.quiet)
+    elif args.actors is not None:
+        raise InputError("--actors goes with --ray")
+    else:
+        engine = _engine(args)
+        job = request.parse(request.cli_values(args, request.SYNTH_BATCH), request.SYNTH_BATCH, engine)
+        summary = run_job(engine, lines, out_dir, job, progress=not args.quiet, in_flight=args.in_flight,
+                          subtitles=args.subtitles)
     print(json.dumps(summary))
     if summary["failed"]:
         print(f"{summary['failed']} line(s) failed; see {out_dir.name}/{DEAD_LETTER}", file=sys.stderr)
@@ -126,7 +135,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bundle", default=os.environ.get("COSYEDGE_BUNDLE") or None,
                         help="bundle directory (default: $COSYEDGE_BUNDLE, as for serve; else the embedded default voice)")
     parser.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),
@@ -146,33 +155,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--subtitles", metavar="FILE.vtt|FILE.srt",
                    help="also write the words' times as WebVTT or SRT (by the name's suffix; families with word times)")
-    _add_engine_args(p)
+    add_engine_args(p)
     add_flags(p, SYNTH)  # the request declaration's fields (cosyedge.device.request); --format default: the suffix
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("synth-batch", help="speak every line of a .txt or .csv (id,text) file, resumably")
     p.add_argument("input")
     p.add_argument("--out-dir", required=True)
-    _add_engine_args(p)
+    add_engine_args(p)
     add_flags(p, SYNTH_BATCH)
     add_in_flight(p)
     p.add_argument("--subtitles", choices=("vtt", "srt"),
                    help="also write each line's word times as <id>.vtt or <id>.srt beside its audio (resumable with it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--ray", metavar="local|ADDRESS",
+                   help="render on a Ray cluster: local (a throwaway one on this machine) or a running cluster's "
+                        "HOST:PORT; needs cosyedge[ray] on every node and the bundle at the same path "
+                        "(docs/scale-out.md); --in-flight is then per actor")
+    p.add_argument("--actors", type=int, metavar="N",
+                   help="with --ray: engines on the cluster, each with its share of the CPUs (default: one per node)")
     p.set_defaults(func=cmd_synth_batch)
 
     p = sub.add_parser("voices", help="list, add or remove the voices of a bundle")
-    _add_engine_args(p)
+    add_engine_args(p)
     p.set_defaults(func=cmd_voices, voices_command=None)
     voices = p.add_subparsers(dest="voices_command")
     add = voices.add_parser("add", help="register a zero-shot voice from a 1-30 s recording and its transcript")
     add.add_argument("name")
     add.add_argument("--wav", required=True, help="prompt recording (wav, flac, ogg or mp3; any sample rate)")
     add.add_argument("--text", required=True, help="what the speaker says in the recording")
-    _add_engine_args(add)
+    add_engine_args(add)
     remove = voices.add_parser("remove", help="delete a registered voice")
     remove.add_argument("name")
-    _add_engine_args(remove)
+    add_engine_args(remove)
 
     p = sub.add_parser("info", help="show a bundle's manifest")
     p.add_argument("bundle")

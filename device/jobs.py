@@ -14,6 +14,7 @@ import csv
 import json
 import re
 import sys
+import tempfile
 import time
 import unicodedata
 import wave
@@ -130,7 +131,7 @@ class _Output:
         self.subtitles = subtitles
         self.words: list[Word] = []
         self._fed = 0  # samples given to `write`, before the joins
-        self.partial = target.with_name(f".{target.name}.partial")
+        self.partial = _partial(target)
         self.spool = self.partial if fmt in ("wav", "pcm") else target.with_name(f".{target.name}.pcm.partial")
         self.samples = 0  # at the engine's rate, after the joins
         self._join, self._resample = Crossfade(round(JOIN_S * rate)), Resampler(rate, out_rate)
@@ -168,11 +169,9 @@ class _Output:
             encode_pcm_file(self.spool, self.out_rate, self.fmt, self.partial)
             self.spool.unlink()
         if self.subtitles is not None:
-            subtitles = subtitle_path(self.target, self.subtitles)
-            partial = subtitles.with_name(f".{subtitles.name}.partial")
-            partial.write_text(write_subtitles(on_rate(self.words, self.out_rate), self.samples / self.rate,
-                                               self.subtitles), encoding="utf-8")
-            partial.replace(subtitles)
+            _replace(subtitle_path(self.target, self.subtitles),
+                     write_subtitles(on_rate(self.words, self.out_rate), self.samples / self.rate,
+                                     self.subtitles).encode("utf-8"))
         self.partial.replace(self.target)
         return self.samples / self.rate
 
@@ -187,6 +186,89 @@ def subtitle_path(audio: Path, fmt: str) -> Path:
     return audio.with_name(f"{audio.stem}.{fmt}")
 
 
+def _partial(path: Path) -> Path:
+    """The temporary name a file is written under before it is renamed into place."""
+    return path.with_name(f".{path.name}.partial")
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """`data` written under the partial name, then renamed onto `path`: a reader sees the whole file or none."""
+    partial = _partial(path)
+    try:
+        partial.write_bytes(data)
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+
+
+def prepare(out_dir: Path, subtitles: str | None) -> None:
+    """A job's checks before its first line: the subtitle format and the output directory (made if missing)."""
+    if subtitles is not None and subtitles not in SUBTITLE_FORMATS:
+        raise InputError(f"unknown subtitle format {str(subtitles)[:16]!r}; choose vtt or srt")
+    _out_dir(out_dir)
+
+
+def line_path(out_dir: Path, line: Line, fmt: str) -> Path:
+    """Where a line's audio goes: `<out_dir>/<id>.<format>`."""
+    if len(line.key.encode()) > MAX_ID:  # the file system would refuse its name (ENAMETOOLONG)
+        raise InputError(f"id has {len(line.key.encode())} bytes; it names the output file: at most {MAX_ID}")
+    return out_dir / f"{line.key}.{fmt}"
+
+
+def line_done(audio: Path, subtitles: str | None) -> bool:
+    """A line is done when its audio decodes and, with `subtitles`, its subtitle file is there (whoever made them)."""
+    return _complete(audio) and (subtitles is None or subtitle_path(audio, subtitles).is_file())
+
+
+def render_line(engine: Engine, door: Door, text: str, target: Path, job: Request, subtitles: str | None) -> float:
+    """One line through the door into `target` (with its `subtitles` file beside it when asked), written as its
+    sentences arrive (a long line: one door job per window of sentences) and renamed into place when whole; its
+    audio seconds. The one renderer of a line: the local job writes into its output directory, a Ray actor into a
+    scratch directory it reads back (`render_bytes`)."""
+    words, rate = subtitles is not None, engine.sample_rate
+    texts = windows(text, engine.limits.max_text_len)
+    segments = engine.segments(next(texts, text), words=words)  # a first refusal leaves no file
+    out = _Output(target, rate, job.format, job.rate(rate), subtitles)
+    try:
+        while segments is not None:
+            heard = 0  # samples of this window's job so far: its chunks' words are on its clock
+            for chunk in door.stream(Job(segments, job.options, chunked=False, words=words)):
+                begin, heard = heard / rate, heard + chunk.audio.size  # whole jobs: a chunk a sentence
+                out.write(chunk.audio, [Word(w.text, w.start_s - begin, w.end_s - begin) for w in chunk.words])
+            segments = next((engine.segments(text, words=words) for text in texts), None)  # the next window
+        return out.finish()
+    except BaseException:
+        out.discard()
+        raise
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A line's finished files as bytes: how a worker on another machine hands them to the job's one writer."""
+    audio: bytes
+    subtitles: str | None
+    seconds: float
+
+
+def render_bytes(engine: Engine, door: Door, line: Line, job: Request, subtitles: str | None) -> Rendered:
+    """`render_line` into a scratch directory, read back (a whole line in memory: it travels as one object)."""
+    with tempfile.TemporaryDirectory(prefix="cosyedge-line-") as scratch:
+        target = Path(scratch) / f"line.{job.format}"
+        seconds = render_line(engine, door, line.text, target, job, subtitles)
+        text = subtitle_path(target, subtitles).read_text(encoding="utf-8") if subtitles is not None else None
+        return Rendered(target.read_bytes(), text, seconds)
+
+
+def place(target: Path, rendered: Rendered, subtitles: str | None) -> float:
+    """Write a rendered line as `render_line` would have: its subtitle file first, then its audio, each under a
+    partial name renamed into place (so `line_done` means the same); its audio seconds."""
+    if subtitles is not None:
+        _replace(subtitle_path(target, subtitles), (rendered.subtitles or "").encode("utf-8"))
+    _replace(target, rendered.audio)
+    return rendered.seconds
+
+
 def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, progress: bool = True,
             in_flight: int | None = None, subtitles: str | None = None) -> dict:
     """Synthesize every line not yet done with the request's options, format and rate, `in_flight` lines at once
@@ -194,41 +276,12 @@ def run_job(engine: Engine, lines: list[Line], out_dir: Path, job: Request, prog
     window of sentences), with its `subtitles` file (vtt, srt) when asked; return a summary (done, skipped,
     failed, audio seconds, audio seconds per second, RTF). A line is done when its audio decodes and, with
     `subtitles`, its subtitle file is there."""
-    if subtitles is not None and subtitles not in SUBTITLE_FORMATS:
-        raise InputError(f"unknown subtitle format {str(subtitles)[:16]!r}; choose vtt or srt")
-    words = subtitles is not None
-    _out_dir(out_dir)
-    fmt, rate = job.format, engine.sample_rate
-
-    def output(line: Line) -> Path:
-        if len(line.key.encode()) > MAX_ID:  # the file system would refuse its name (ENAMETOOLONG)
-            raise InputError(f"id has {len(line.key.encode())} bytes; it names the output file: at most {MAX_ID}")
-        return out_dir / f"{line.key}.{fmt}"
-
+    prepare(out_dir, subtitles)
     with Door(engine) as door:
-        def render(line: Line) -> float:
-            target = output(line)
-            texts = windows(line.text, engine.limits.max_text_len)
-            segments = engine.segments(next(texts, line.text), words=words)  # a first refusal leaves no file
-            out = _Output(target, rate, fmt, job.rate(rate), subtitles)
-            try:
-                while segments is not None:
-                    heard = 0  # samples of this window's job so far: its chunks' words are on its clock
-                    for chunk in door.stream(Job(segments, job.options, chunked=False, words=words)):
-                        begin, heard = heard / rate, heard + chunk.audio.size  # whole jobs: a chunk a sentence
-                        out.write(chunk.audio, [Word(w.text, w.start_s - begin, w.end_s - begin) for w in chunk.words])
-                    segments = next((engine.segments(text, words=words) for text in texts), None)  # the next window
-                return out.finish()
-            except BaseException:
-                out.discard()
-                raise
-
-        def done(line: Line) -> bool:
-            audio = output(line)
-            return _complete(audio) and (subtitles is None or subtitle_path(audio, subtitles).is_file())
-
-        return run_lines(lines, render, done, out_dir / DEAD_LETTER, progress,
-                         engine.limits.batch_max if in_flight is None else in_flight)
+        return run_lines(lines, lambda line: render_line(engine, door, line.text, line_path(out_dir, line, job.format),
+                                                         job, subtitles),
+                         lambda line: line_done(line_path(out_dir, line, job.format), subtitles),
+                         out_dir / DEAD_LETTER, progress, engine.limits.batch_max if in_flight is None else in_flight)
 
 
 def run_lines(lines: list[Line], render: Callable[[Line], float], done: Callable[[Line], bool], dead_letter: Path,

@@ -10,7 +10,8 @@ line, the import and the rule it breaks.
 - the API's service never imports its measurement subpackage (cosyedge.api.bench: bench-api, load, fuzz, the
   harness); only the subpackage itself and the tests do;
 - no import cycle between packages, nor between the API's modules; no `getattr` / `hasattr` capability probing in
-  the engine or the API.
+  the engine or the API;
+- Ray (the optional extra cosyedge[ray]) is imported by cosyedge.device.ray_jobs only, inside a function.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"device": "cosyedge.device", "api": "cosyedge.api", "quantize": "cosyedge.quantize"}
 TORCH = ("torch", "torchaudio")
+RAY_MODULE = "cosyedge.device.ray_jobs"  # the one importer of ray (synth-batch --ray)
 FAMILIES = ("cosyedge.device.vits", "cosyedge.device.cosyvoice2", "cosyedge.device.cosyvoice3")
 API_MAY_IMPORT = ("cosyedge.device", "cosyedge.device.engine", "cosyedge.device.options", "cosyedge.device.request",
                   "cosyedge.device.errors", "cosyedge.device.audio", "cosyedge.device.paths", "cosyedge.device.door",
@@ -82,6 +84,8 @@ def broken_rule(imp: Import) -> str | None:
     """The rule `imp` breaks, or None."""
     src, dst = imp.module, imp.target
     uses_torch = dst.split(".")[0] in TORCH
+    if dst.split(".")[0] == "ray" and src != RAY_MODULE:
+        return f"only {RAY_MODULE} imports ray (the optional extra cosyedge[ray])"
     if _within(src, "cosyedge.device"):
         if uses_torch or _within(dst, "cosyedge.api") or _within(dst, "cosyedge.quantize"):
             return "cosyedge.device never imports cosyedge.api, cosyedge.quantize or torch (not even inside functions)"
@@ -147,6 +151,8 @@ def test_checker_flags_forbidden_imports_in_a_synthetic_module():
         ("cosyedge.quantize.cli", "from cosyedge.api.config import ServiceConfig\n"): "never cosyedge.api",
         ("cosyedge.api.service", "def f():\n    from cosyedge.api.bench.harness import make_server\n"):
             "measurement subpackage",
+        ("cosyedge.device.jobs", "def f():\n    import ray\n"): "only cosyedge.device.ray_jobs imports ray",
+        ("cosyedge.device.bench.batch", "from ray import exceptions\n"): "only cosyedge.device.ray_jobs",
     }
     for (module, source), rule in bad.items():
         path = module.replace("cosyedge.", "").replace(".", "/") + ".py"
@@ -158,6 +164,7 @@ def test_checker_flags_forbidden_imports_in_a_synthetic_module():
         "cosyedge.device.vits.pipeline": "from cosyedge.device.engine import Engine\n",
         "cosyedge.device.families": "import importlib\nimportlib.import_module(spec)\n",
         "cosyedge.api.bench.load": "from cosyedge.api.bench.harness import ServiceProcess\nfrom cosyedge.api import app\n",
+        RAY_MODULE: "def f():\n    import ray\n",
     }
     for module, source in fine.items():
         assert violations(module, source, "x.py", KNOWN) == [], module
@@ -239,3 +246,15 @@ def test_no_getattr_probing_of_pipelines_in_engine_or_api():
     found = [p for f in files for p in probes(f.read_text(encoding="utf-8"), str(f.relative_to(REPO)),
                                              f.name == "engine.py" and f.parent.name == "device")]
     assert not found, "capability probing:\n" + "\n".join(found)
+
+
+def test_ray_is_imported_lazily():
+    """cosyedge[ray] is optional: `ray_jobs` imports it inside a function only, so the module (and `synth-batch`)
+    loads without it and `--ray` says which extra to install."""
+    path = REPO / "device" / "ray_jobs.py"
+    top = [node for node in ast.parse(path.read_text(encoding="utf-8")).body
+           if isinstance(node, (ast.Import, ast.ImportFrom))]
+    found = [ast.unparse(node) for node in top if any(
+        name.split(".")[0] == "ray" for name in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                                                 else [node.module or ""]))]
+    assert not found, f"device/ray_jobs.py imports ray at module level: {found}"

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from cosyedge.device.cli import writable  # the CLI's one output-path check (no copy here)
+from cosyedge.device.cli import add_engine_args, writable  # the CLI's own flags and output-path check (no copy)
 from cosyedge.device.errors import InputError
 
 
@@ -102,6 +102,34 @@ def cmd_bench_graphs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from cosyedge.device.bench.batch import batch_table, run_batch_bench
+    from cosyedge.device.bench.report import write_json
+    from cosyedge.device.jobs import read_lines
+    from cosyedge.device.request import check_in_flight
+    in_flight = [check_in_flight(n) for n in _parse_list(args.in_flight, "--in-flight", int)]
+    if not in_flight:
+        raise InputError("--in-flight needs at least one value")
+    if not 0 <= args.actors <= 64:
+        raise InputError("--actors must be in 0-64 (0: no Ray run)")
+    if args.threads is not None and not 1 <= args.threads <= 256:
+        raise InputError("--threads must be in 1-256")
+    lines = read_lines(Path(args.input))
+    out = writable(Path(args.json)) if args.json else None
+    if args.actors:
+        from cosyedge.device.ray_jobs import require_ray
+        require_ray()
+    with tempfile.TemporaryDirectory(prefix="cosyedge-bench-batch-") as scratch:
+        report = run_batch_bench(lines, Path(args.out_dir or scratch), args.bundle, args.precision, args.target,
+                                 in_flight, args.actors, args.threads)
+    print(batch_table(report))
+    if out:
+        write_json(report, out)
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `bench` and `bench-graphs` to the `cosyedge` parser."""
     p = sub.add_parser("bench", help="measure real-time factor, precisions side by side")
@@ -132,6 +160,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="synthesize with word times: the alignment pass is the align_s column, align_%% its share "
                          "of the rest of the synthesis (Piper bundles always report their word-time cost)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-batch", help="a batch job's lines/hour, audio s/s and RTF at several lines in flight "
+                                            "and on a local Ray cluster, in one run")
+    p.add_argument("input", help="the lines, as synth-batch reads them (.txt or .csv id,text)")
+    add_engine_args(p)
+    p.add_argument("--in-flight", default="1,2,4,8", help="lines in flight on one engine, comma list (default 1,2,4,8)")
+    p.add_argument("--actors", type=int, default=2,
+                   help="engines on a throwaway local Ray cluster, the largest --in-flight each (0: no Ray run; "
+                        "needs cosyedge[ray])")
+    p.add_argument("--threads", type=int, help="intra-op threads of every engine (default: the CPUs / --actors)")
+    p.add_argument("--out-dir", help="keep every run's files here, one folder per run (default: a temporary one)")
+    p.add_argument("--json", help="also write the report to this file")
+    p.set_defaults(func=cmd_bench_batch)
 
     p = sub.add_parser("bench-graphs", help="per-graph ONNX Runtime latency of a CosyVoice bundle (pinned lengths)")
     p.add_argument("bundle")

@@ -15,7 +15,8 @@ import soundfile as sf
 from cosyedge.device import request
 from cosyedge.device.audio import Crossfade
 from cosyedge.device.engine import Engine
-from cosyedge.device.jobs import DEAD_LETTER, JOIN_S, Line, run_job, windows
+from cosyedge.device.door import Door
+from cosyedge.device.jobs import DEAD_LETTER, JOIN_S, Line, place, render_bytes, run_job, windows
 from cosyedge.device.sessions import SessionConfig
 
 ENGLISH = [Line("intro", "One small line. And a second sentence after it."), Line("b", "Two small lines."),
@@ -39,6 +40,22 @@ def test_in_flight_writes_the_files_of_one_at_a_time_on_the_default_voice(defaul
     assert sorted(_files(tmp_path / "many")) == sorted(f"{line.key}.wav" for line in ENGLISH)  # ids stable
     assert _files(tmp_path / "many") == _files(tmp_path / "one")
     assert many["audio_s_per_s"] > 0 and many["rtf"] == pytest.approx(many["wall_s"] / many["audio_s"], rel=0.05)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
+def test_a_line_rendered_to_bytes_and_placed_is_the_local_job_s_file(default_engine, tmp_path, fmt):
+    """What a Ray actor runs (`render_bytes`: the job's one renderer into a scratch directory, read back) and the
+    driver's write (`place`: subtitles, then audio, each renamed into place) make the local job's files."""
+    job, lines = _job(default_engine, deterministic=True, format=fmt), ENGLISH[:2]
+    local = run_job(default_engine, lines, tmp_path / "local", job, progress=False, in_flight=1, subtitles="vtt")
+    out = tmp_path / "placed"
+    out.mkdir()
+    with Door(default_engine) as door:
+        seconds = sum(place(out / f"{line.key}.{fmt}", render_bytes(default_engine, door, line, job, "vtt"), "vtt")
+                      for line in lines)
+    assert seconds == pytest.approx(local["audio_s"], abs=0.01)
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{line.key}.{x}" for line in lines for x in (fmt, "vtt"))
+    assert _files(out) == _files(tmp_path / "local")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,85 @@
+"""`cosyedge bench-batch`: what a batch job makes per hour on a bundle, the same lines in one run at several lines
+in flight on one engine and on a local Ray cluster of several engines (issue 22 item 5).
+
+Every engine gets the same intra-op threads (ONNX Runtime's float sums follow the thread count, so only then are
+the files of every run byte-identical, which the report checks), and every run is a fresh output directory (no
+line skipped). Engine loads and the cluster's start are outside the job's wall time and reported apart."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from cosyedge.device.engine import Engine
+from cosyedge.device.errors import InputError
+from cosyedge.device.jobs import DEAD_LETTER, Line, run_job
+from cosyedge.device.request import SYNTH_BATCH, parse
+from cosyedge.device.sessions import SessionConfig
+
+VALUES = {"deterministic": True}  # the request of every run: reproducible, so the files can be compared
+
+
+def _row(run: str, engines: int, threads: int, in_flight: int, summary: dict, start_s: float) -> dict[str, Any]:
+    wall = summary["wall_s"]
+    return {"run": run, "engines": engines, "threads": threads, "in_flight": in_flight, "lines": summary["done"],
+            "failed": summary["failed"], "audio_s": summary["audio_s"], "wall_s": wall, "start_s": round(start_s, 2),
+            "lines_per_hour": round(summary["done"] * 3600 / wall) if wall else None,
+            "audio_s_per_s": summary["audio_s_per_s"], "rtf": summary["rtf"]}
+
+
+def _fresh(path: Path) -> Path:
+    if path.exists() and any(path.iterdir()):
+        raise InputError(f"--out-dir: {path.name!r} is not empty (a run must make every line)")
+    return path
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file() and p.name != DEAD_LETTER}
+
+
+def run_batch_bench(lines: list[Line], work: Path, bundle: str | None = None, precision: str = "auto",
+                    target: str | None = None, in_flight: Sequence[int] = (1, 2, 4, 8), actors: int = 2,
+                    threads: int | None = None) -> dict[str, Any]:
+    """One engine at each of `in_flight`, then `actors` engines on a throwaway local Ray cluster (0: none), each
+    engine with `threads` intra-op threads (default: this machine's CPUs shared by the actors); outputs in
+    `work/<run>/`."""
+    threads = threads or max(1, len(os.sched_getaffinity(0)) // max(1, actors))
+    runs = [(f"in-flight-{n}", n) for n in in_flight] + ([(f"ray-{actors}-actors", max(in_flight))] if actors else [])
+    for name, _ in runs:
+        _fresh(work / name)
+    began = time.perf_counter()
+    engine = Engine.load(bundle, precision=precision, target=target,
+                         sessions=replace(SessionConfig.from_env(), intra_op_threads=threads))
+    loaded, job = time.perf_counter() - began, parse(VALUES, SYNTH_BATCH, engine)
+    rows = [_row(name, 1, threads, n, run_job(engine, lines, work / name, job, progress=False, in_flight=n), loaded)
+            for name, n in runs[:len(in_flight)]]
+    if actors:
+        from cosyedge.device.ray_jobs import Actors, cluster, run_on_ray
+        name, per_actor = runs[-1]
+        began = time.perf_counter()
+        with cluster("local", cpus=actors * threads) as ray:
+            pool = Actors(ray, VALUES, bundle, precision, target, count=actors, in_flight=per_actor)
+            try:
+                started = time.perf_counter() - began
+                rows.append(_row(name, actors, pool.cpus, per_actor,
+                                 run_on_ray(pool, lines, work / name, progress=False), started))
+            finally:
+                pool.close()
+    first = _files(work / runs[0][0])
+    differ = [name for name, _ in runs[1:] if _files(work / name) != first]
+    return {"bundle": engine.bundle.manifest.name, "precision": engine.precision, "lines": len(lines),
+            "threads_per_engine": threads, "cpus": len(os.sched_getaffinity(0)), "runs": rows,
+            "identical": not differ, "differ": differ}
+
+
+def batch_table(report: dict[str, Any]) -> str:
+    """One row per run: engines x threads, lines in flight per engine, lines/hour, audio s/s, RTF, start."""
+    head = f"{'run':<18}{'engines':>8}{'threads':>8}{'in-flight':>10}{'lines/h':>10}{'audio s/s':>11}{'RTF':>8}" \
+           f"{'start s':>9}"
+    rows = [f"{r['run']:<18}{r['engines']:>8}{r['threads']:>8}{r['in_flight']:>10}{r['lines_per_hour'] or 0:>10}"
+            f"{r['audio_s_per_s'] or 0:>11.2f}{r['rtf'] or 0:>8.3f}{r['start_s']:>9.1f}" for r in report["runs"]]
+    same = "byte-identical" if report["identical"] else f"DIFFER: {', '.join(report['differ'])}"
+    return "\n".join([head, *rows, f"{report['lines']} lines, {report['bundle']} {report['precision']}, "
+                                   f"{report['cpus']} CPUs; files of every run {same}"])
