@@ -18,7 +18,7 @@ from cosyedge.device.jobs import DEAD_LETTER, Line, run_job
 from cosyedge.device.request import SYNTH_BATCH, parse
 from cosyedge.device.sessions import SessionConfig
 
-VALUES = {"deterministic": True}  # the request of every run: reproducible, so the files can be compared
+VALUES = {"deterministic": True}  # every run's request is reproducible, so the files can be compared
 
 
 def _row(run: str, engines: int, threads: int, in_flight: int, summary: dict, start_s: float) -> dict[str, Any]:
@@ -41,10 +41,12 @@ def _files(out: Path) -> dict[str, bytes]:
 
 def run_batch_bench(lines: list[Line], work: Path, bundle: str | None = None, precision: str = "auto",
                     target: str | None = None, in_flight: Sequence[int] = (1, 2, 4, 8), actors: int = 2,
-                    threads: int | None = None) -> dict[str, Any]:
+                    threads: int | None = None, values: dict[str, Any] | None = None) -> dict[str, Any]:
     """One engine at each of `in_flight`, then `actors` engines on a throwaway local Ray cluster (0: none), each
     engine with `threads` intra-op threads (default: this machine's CPUs shared by the actors); outputs in
-    `work/<run>/`."""
+    `work/<run>/`. `values`: the request's fields as synth-batch takes them (e.g. voice, preset, sampling), always
+    deterministic."""
+    values = {**(values or {}), **VALUES}
     threads = threads or max(1, len(os.sched_getaffinity(0)) // max(1, actors))
     runs = [(f"in-flight-{n}", n) for n in in_flight] + ([(f"ray-{actors}-actors", max(in_flight))] if actors else [])
     for name, _ in runs:
@@ -52,7 +54,7 @@ def run_batch_bench(lines: list[Line], work: Path, bundle: str | None = None, pr
     began = time.perf_counter()
     engine = Engine.load(bundle, precision=precision, target=target,
                          sessions=replace(SessionConfig.from_env(), intra_op_threads=threads))
-    loaded, job = time.perf_counter() - began, parse(VALUES, SYNTH_BATCH, engine)
+    loaded, job = time.perf_counter() - began, parse(values, SYNTH_BATCH, engine)
     rows = [_row(name, 1, threads, n, run_job(engine, lines, work / name, job, progress=False, in_flight=n), loaded)
             for name, n in runs[:len(in_flight)]]
     if actors:
@@ -60,7 +62,7 @@ def run_batch_bench(lines: list[Line], work: Path, bundle: str | None = None, pr
         name, per_actor = runs[-1]
         began = time.perf_counter()
         with cluster("local", cpus=actors * threads) as ray:
-            pool = Actors(ray, VALUES, bundle, precision, target, count=actors, in_flight=per_actor)
+            pool = Actors(ray, values, bundle, precision, target, count=actors, in_flight=per_actor)
             try:
                 started = time.perf_counter() - began
                 rows.append(_row(name, actors, pool.cpus, per_actor,
@@ -69,7 +71,8 @@ def run_batch_bench(lines: list[Line], work: Path, bundle: str | None = None, pr
                 pool.close()
     first = _files(work / runs[0][0])
     differ = [name for name, _ in runs[1:] if _files(work / name) != first]
-    return {"bundle": engine.bundle.manifest.name, "precision": engine.precision, "lines": len(lines),
+    return {"bundle": engine.bundle.manifest.name, "precision": engine.precision, "request": values,
+            "lines": len(lines),
             "threads_per_engine": threads, "cpus": len(os.sched_getaffinity(0)), "runs": rows,
             "identical": not differ, "differ": differ}
 
@@ -81,5 +84,6 @@ def batch_table(report: dict[str, Any]) -> str:
     rows = [f"{r['run']:<18}{r['engines']:>8}{r['threads']:>8}{r['in_flight']:>10}{r['lines_per_hour'] or 0:>10}"
             f"{r['audio_s_per_s'] or 0:>11.2f}{r['rtf'] or 0:>8.3f}{r['start_s']:>9.1f}" for r in report["runs"]]
     same = "byte-identical" if report["identical"] else f"DIFFER: {', '.join(report['differ'])}"
-    return "\n".join([head, *rows, f"{report['lines']} lines, {report['bundle']} {report['precision']}, "
+    request = ", ".join(f"{k}={v}" for k, v in report["request"].items())
+    return "\n".join([head, *rows, f"{report['lines']} lines, {report['bundle']} {report['precision']} ({request}), "
                                    f"{report['cpus']} CPUs; files of every run {same}"])

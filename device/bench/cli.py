@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from cosyedge.device.cli import add_engine_args, writable  # the CLI's own flags and output-path check (no copy)
 from cosyedge.device.errors import InputError
+from cosyedge.device.request import SYNTH_BATCH, add_flags, cli_values
 
 
 def _bundle_family(bundle: str | None) -> str:
@@ -123,7 +124,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         require_ray()
     with tempfile.TemporaryDirectory(prefix="cosyedge-bench-batch-") as scratch:
         report = run_batch_bench(lines, Path(args.out_dir or scratch), args.bundle, args.precision, args.target,
-                                 in_flight, args.actors, args.threads)
+                                 in_flight, args.actors, args.threads, cli_values(args, SYNTH_BATCH))
     print(batch_table(report))
     if out:
         write_json(report, out)
@@ -171,6 +172,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "needs cosyedge[ray])")
     p.add_argument("--threads", type=int, help="intra-op threads of every engine (default: the CPUs / --actors)")
     p.add_argument("--out-dir", help="keep every run's files here, one folder per run (default: a temporary one)")
+    add_flags(p, SYNTH_BATCH)  # the request of every line (always --deterministic: the runs' files are compared)
     p.add_argument("--json", help="also write the report to this file")
     p.set_defaults(func=cmd_bench_batch)
 

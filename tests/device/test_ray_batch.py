@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import soundfile as sf
 
 if importlib.util.find_spec("ray") is None:  # not importorskip: `cluster` must be the first to import ray
     pytest.skip("Ray is not installed: pip install 'cosyedge[ray]' (make buildhost installs it)",
@@ -104,9 +105,11 @@ def test_bench_batch_reports_every_run_and_their_files_are_the_same(default_bund
     book.write_text("One small line.\nTwo small lines.\nThree small lines! Really? Yes.\nFour.\n")
     result = _cosyedge("bench-batch", str(book), "--bundle", str(default_bundle_path), "--precision", "fp32",
                        "--in-flight", "1,2", "--actors", "2", "--threads", "1", "--out-dir", str(tmp_path / "runs"),
-                       "--json", str(tmp_path / "bench.json"), home=default_bundle_path.parents[1])
+                       "--json", str(tmp_path / "bench.json"), "--sample-rate", "24000",
+                       home=default_bundle_path.parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["request"] == {"sample_rate": 24000, "deterministic": True}  # the request flags, every run's
     assert [r["run"] for r in report["runs"]] == ["in-flight-1", "in-flight-2", "ray-2-actors"]
     assert [(r["engines"], r["threads"], r["in_flight"]) for r in report["runs"]] == [(1, 1, 1), (1, 1, 2), (2, 1, 2)]
     for row in report["runs"]:
@@ -116,6 +119,7 @@ def test_bench_batch_reports_every_run_and_their_files_are_the_same(default_bund
     assert report["identical"] is True and report["differ"] == []
     runs = [_files(tmp_path / "runs" / r["run"]) for r in report["runs"]]
     assert len(runs[0]) == 4 and all(files == runs[0] for files in runs)
+    assert {sf.info(str(p)).samplerate for p in (tmp_path / "runs" / "ray-2-actors").glob("*.wav")} == {24000}
     assert "ray-2-actors" in result.stdout and "byte-identical" in result.stdout  # the table
 
 
