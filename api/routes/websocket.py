@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 from flask import Blueprint, Response, g, request
 from simple_websocket import ConnectionClosed, Server
+from wsproto.utilities import LocalProtocolError
 
 from cosyedge.api.admission import Ticket
 from cosyedge.api.bodies import loads, parse
@@ -174,7 +175,7 @@ class Session:
             self.release()
             try:
                 self.ws.close()
-            except ConnectionClosed:  # the client closed first
+            except (ConnectionClosed, LocalProtocolError):  # the client closed first, or simple-websocket (1007/1009)
                 pass
 
     def _serve(self) -> None:
@@ -325,11 +326,12 @@ class Session:
 
     def _send(self, data: bytes | str) -> None:
         """One frame; a client gone mid-send (a reset socket is an OSError) is ConnectionClosed, whichever thread
-        sends."""
+        sends, and so is a connection simple-websocket's reader is closing (its close 1007 or 1009 sent, `connected`
+        not yet False: wsproto refuses the frame)."""
         with self.send_lock:
             try:
                 self.ws.send(data)
-            except OSError as exc:
+            except (OSError, LocalProtocolError) as exc:
                 raise ConnectionClosed() from exc
 
     def _send_json(self, event: dict[str, Any]) -> None:
