@@ -207,6 +207,8 @@ class Handler(AsyncEventHandler):
                 except ApiError as exc:
                     await self.end(exc)
                     break
+                except ConnectionError:  # the client reset the connection: it left, as at EOF
+                    break
                 if event is None:
                     break
                 await self.handle_event(event)
@@ -253,6 +255,8 @@ class Handler(AsyncEventHandler):
         self.open.clear()
 
     async def _error(self, exc: BaseException, what: str) -> None:
+        if isinstance(exc, ConnectionError):  # the client reset the connection: nobody to answer, nothing failed
+            return
         if isinstance(exc, SynthesisFailed):
             error = Error(text="synthesis failed", code="synthesis_failed")
         elif isinstance(exc, CosyedgeError):  # the code HTTP answers the same input with
