@@ -56,6 +56,7 @@ ROUTE = "/v1/audio/stream"
 # (a `text_too_long` event), never the transport's close 1009.
 FRAME_CHARS_PER_TEXT_CHAR, FRAME_ENVELOPE_CHARS = 12, 4096
 _READ_POLL_S = 0.25  # the reader thread checks this often whether the session is over
+_CLOSE_WAIT_S = 1.0  # at the end, how long simple-websocket's reader may take to send its close reply
 
 
 class SessionError(Exception):
@@ -177,6 +178,9 @@ class Session:
                 self.ws.close()
             except (ConnectionClosed, LocalProtocolError):  # the client closed first, or simple-websocket (1007/1009)
                 pass
+            # gunicorn closes the socket once the route returns: simple-websocket's reader thread first sends the
+            # close reply it owes (to the client's close, or its own 1007/1009) and takes the client's
+            self.ws.thread.join(_CLOSE_WAIT_S)
 
     def _serve(self) -> None:
         first = self._receive(self.idle_s)

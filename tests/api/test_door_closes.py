@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 from flask import Flask, g
+from simple_websocket import ConnectionClosed
 from wsproto.utilities import LocalProtocolError
 
 from cosyedge.api.bench.harness import ServiceProcess, free_port
@@ -25,6 +27,11 @@ class _ClosingWs:
     def __init__(self) -> None:
         self.queued: list[bytes | str] = [b"\x00"]  # a binary frame: the session answers bad_message
         self.sent = 0
+        self.thread = threading.Thread(target=self.reader)  # simple-websocket's reader thread
+        self.thread.start()
+
+    def reader(self) -> None:
+        """Its reader: already done here."""
 
     def receive(self, timeout: float | None = None) -> bytes | str | None:
         return self.queued.pop(0) if self.queued else None
@@ -48,6 +55,38 @@ def test_a_websocket_that_simple_websocket_is_closing_ends_the_session_quietly()
         g.request_id = "closing"
         Session(ws, service, "127.0.0.1").run()  # type: ignore[arg-type]  (raised LocalProtocolError)
     assert ws.sent == 1  # the error event was tried once, then the session ended as for a client gone
+
+
+class _ReplyingWs(_ClosingWs):
+    """simple-websocket's Server after its reader took the client's close (sent right after a frame): `connected`
+    is False, the reader thread sends its close reply a moment later."""
+
+    def __init__(self) -> None:
+        self.replied = threading.Event()
+        super().__init__()
+
+    def reader(self) -> None:
+        time.sleep(0.2)
+        self.replied.set()
+
+    def send(self, data: bytes | str) -> None:
+        raise ConnectionClosed()
+
+    def close(self, reason: int | None = None, message: str | None = None) -> None:
+        raise ConnectionClosed()
+
+
+def test_a_websocket_session_ends_after_simple_websockets_close_reply():
+    """Campaign input (seed 0): `{"type": "end",}` (invalid JSON) then the client's close, or a text frame that is not
+    UTF-8 (`{"type": "text", "text": "\\xc3"}`): about 1 in 5 sessions ended without any close frame. The route
+    returned (and gunicorn closed the socket) before simple-websocket's reader thread had sent the close reply it
+    owed (1000, or its own 1007). The session now waits for that thread, up to a second."""
+    ws = _ReplyingWs()
+    service = SimpleNamespace(config=SimpleNamespace(request_timeout_s=5.0, max_text_len=200), journal=None)
+    with Flask(__name__).test_request_context():
+        g.request_id = "replying"
+        Session(ws, service, "127.0.0.1").run()  # type: ignore[arg-type]
+    assert ws.replied.is_set()  # the close reply went out before the socket went back to gunicorn
 
 
 def _reset(sock: socket.socket) -> None:
