@@ -46,9 +46,13 @@ test: buildhost  ## the whole test suite (what CI runs), with its 30 slowest tes
 	$(BIN)/python -m pytest -q -rs --durations=30 $(PYTEST_ARGS)
 
 FUZZ_REQUESTS ?= 10000
+FUZZ_SESSIONS ?= 300
 FUZZ_SEED ?= 0
-fuzz: buildhost  ## schemathesis campaign against a fresh service's /openapi.json (FUZZ_REQUESTS, FUZZ_SEED); figures in fuzz.json
-	$(BIN)/python -m cosyedge.api.bench.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED) --json fuzz.json $(FUZZ_ARGS)
+# The door campaign runs even when the HTTP one found something; the target fails if either did.
+fuzz: buildhost  ## schemathesis against a fresh service's /openapi.json (FUZZ_REQUESTS), then generated WebSocket and Wyoming sessions (FUZZ_SESSIONS each), FUZZ_SEED; figures in fuzz.json, fuzz-doors.json
+	$(BIN)/python -m cosyedge.api.bench.fuzz --requests $(FUZZ_REQUESTS) --seed $(FUZZ_SEED) --json fuzz.json $(FUZZ_ARGS); \
+	  http=$$?; $(BIN)/python -m cosyedge.api.bench.door_fuzz --sessions $(FUZZ_SESSIONS) --seed $(FUZZ_SEED) \
+	  --json fuzz-doors.json $(FUZZ_DOOR_ARGS) && exit $$http
 
 LOAD_CLIENTS ?= 64
 LOAD_SECONDS ?= 60
@@ -93,4 +97,4 @@ install-service: appliance  ## this machine's artefact, installed: venv in /opt/
 	$(SUDO) env $(if $(wildcard $(ORT_GPU)),ORT_GPU=$(abspath $(ORT_GPU))) .appliance/*/install.sh  # ORT_GPU: a wheel file
 
 clean:
-	rm -rf $(VENV) demo.wav fuzz.json load.json bundles *.egg-info .appliance cosyedge-*-linux-*.tar
+	rm -rf $(VENV) demo.wav fuzz.json fuzz-doors.json load.json bundles *.egg-info .appliance cosyedge-*-linux-*.tar

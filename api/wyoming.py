@@ -116,8 +116,13 @@ class Handler(Connection):
         try:
             await self._handle(event)
         except Exception as exc:  # noqa: BLE001 - every failure is an error event; the connection stays usable
-            await self.send_error(_answer(exc, event.type))
+            await self._failed(exc, event.type)
         return True
+
+    async def _failed(self, exc: BaseException, what: str) -> None:
+        if isinstance(exc, ConnectionError):  # the client reset the connection: nobody to answer, nothing failed
+            return
+        await self.send_error(_answer(exc, what))
 
     async def disconnect(self) -> None:
         """The client is gone: withdraw what is being spoken, dead-letter what was accepted and not delivered."""
@@ -233,7 +238,7 @@ class Handler(Connection):
             try:
                 await work()
             except Exception as exc:  # noqa: BLE001 - an error event; the connection goes on
-                await self.send_error(_answer(exc, "synthesize"))
+                await self._failed(exc, "synthesize")
             finally:
                 self.speaking = 0
                 self.changed()

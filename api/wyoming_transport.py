@@ -112,6 +112,8 @@ class Connection(AsyncEventHandler):
                 except ApiError as exc:
                     await self.end(exc)
                     break
+                except ConnectionError:  # the client reset the connection: it left, as at EOF
+                    break
                 if event is None:
                     break
                 await self.handle_event(event)

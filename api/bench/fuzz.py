@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from cosyedge.api.bench.harness import ServiceProcess, http_status
+from cosyedge.api.bench.harness import ServiceProcess, http_status, write_json
 
 REQUEST_TIMEOUT_S = 60.0
 RETRYABLE = (503, 504)  # overload and deadline: allowed, with Retry-After
@@ -261,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run_fuzz(service.url, args.requests, args.seed, args.text_cap, args.batch_cap, True)
             report["server_memory"] = service.memory()  # the process tree, MB
     print(format_report(report))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
-            out.write("\n")
+    write_json(report, args.json)
     return 1 if failed(report) else 0
 
 

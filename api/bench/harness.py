@@ -10,6 +10,7 @@ tree, so a test that could exhaust memory takes down its own service, never the 
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import socket
@@ -48,6 +49,14 @@ def add_service_arguments(parser: Any) -> None:
     parser.add_argument("--memory-budget-mb", type=float, default=DEFAULT_BUDGET_MB,
                         help="the service started here is killed past this (its whole process tree; 0: never)")
     parser.add_argument("--json", help="write the figures to this file")
+
+
+def write_json(report: dict[str, Any], path: str | None) -> None:
+    """A long run's figures as indented JSON in `path` (nothing when None), for the Makefile targets."""
+    if path:
+        with open(path, "w", encoding="utf-8") as out:
+            json.dump(report, out, indent=2)
+            out.write("\n")
 
 
 def free_port() -> int:

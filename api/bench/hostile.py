@@ -27,7 +27,8 @@ from collections import Counter
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from cosyedge.api.bench.harness import ServiceProcess, TreeMemory, add_service_arguments, http_status
+from cosyedge.api.bench.harness import (ServiceProcess, TreeMemory, add_service_arguments, http_status,
+                                        write_json)
 from cosyedge.api.bench.load import _percentiles
 from cosyedge.api.security import is_loopback
 
@@ -237,10 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run_hostile(service.url, *lanes)
             report.update(server_pid=service.pid, **service.memory())  # the guard's own figures
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
-            out.write("\n")
+    write_json(report, args.json)
     return 1 if report["probes_over_1s"] or report["readyz_after"] != 200 else 0
 
 

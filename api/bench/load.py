@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from cosyedge.api.bench.harness import ServiceProcess, TreeMemory, add_service_arguments, http_status, kib_to_mb
+from cosyedge.api.bench.harness import (ServiceProcess, TreeMemory, add_service_arguments, http_status, kib_to_mb,
+                                        write_json)
 
 SHORT = ("Good morning.", "The kettle is on.", "Turn left at the next corner.", "Your order has shipped.")
 PARAGRAPH = ("The old lighthouse stood at the end of the harbour wall. Every evening its keeper climbed the "
@@ -197,10 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             report["exceeded"] = service.guard.exceeded if service.guard else None
     print(format_report(report))
     print(json.dumps({k: v for k, v in report.items() if k != "errors"}))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
-            out.write("\n")
+    write_json(report, args.json)
     bad = report["timeouts"] or report["dropped"] or report["unanswered"] or report["readyz_after"] != 200
     return 1 if bad else 0
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping
 
 from flask import Blueprint, Response, g, request
 from simple_websocket import ConnectionClosed, Server
+from wsproto.utilities import LocalProtocolError
 
 from cosyedge.api.admission import Ticket
 from cosyedge.api.bodies import loads, parse
@@ -62,6 +63,7 @@ ROUTE = "/v1/audio/stream"
 # (a `text_too_long` event), never the transport's close 1009.
 FRAME_CHARS_PER_TEXT_CHAR, FRAME_ENVELOPE_CHARS = 12, 4096
 _READ_POLL_S = 0.25  # the reader thread checks this often whether the session is over
+_CLOSE_WAIT_S = 1.0  # at the end, how long simple-websocket's reader may take to send its close reply
 
 
 class SessionError(Exception):
@@ -189,8 +191,11 @@ class Session:
             self.release()
             try:
                 self.ws.close()
-            except ConnectionClosed:  # the client closed first
+            except (ConnectionClosed, LocalProtocolError):  # the client closed first, or simple-websocket (1007/1009)
                 pass
+            # gunicorn closes the socket once the route returns: simple-websocket's reader thread first sends the
+            # close reply it owes (to the client's close, or its own 1007/1009) and takes the client's
+            self.ws.thread.join(_CLOSE_WAIT_S)
 
     def _serve(self) -> None:
         first = self._receive(self.start_s)
@@ -360,11 +365,12 @@ class Session:
 
     def _send(self, data: bytes | str) -> None:
         """One frame; a client gone mid-send (a reset socket is an OSError) is ConnectionClosed, whichever thread
-        sends."""
+        sends, and so is a connection simple-websocket's reader is closing (its close 1007 or 1009 sent, `connected`
+        not yet False: wsproto refuses the frame)."""
         with self.send_lock:
             try:
                 self.ws.send(data)
-            except OSError as exc:
+            except (OSError, LocalProtocolError) as exc:
                 raise ConnectionClosed() from exc
 
     def _send_json(self, event: dict[str, Any]) -> None:
