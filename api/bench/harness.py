@@ -91,6 +91,15 @@ def memory_kib(pid: int) -> dict[str, int]:
     return {key.lower(): int(fields_[key].split()[0]) for key in ("VmRSS", "VmHWM") if key in fields_}
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL to `pid` and every process below it, children first (none is left to outlive its parent)."""
+    for member in reversed(process_tree(pid)):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except OSError:  # gone meanwhile
+            pass
+
+
 def process_tree(pid: int) -> list[int]:
     """`pid` and every live process below it (children of any of its threads), from /proc."""
     tree: list[int] = []
@@ -149,11 +158,7 @@ class TreeMemory:
         return current
 
     def kill_tree(self) -> None:
-        for pid in reversed(process_tree(self.pid)):  # children first, then the arbiter
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_tree(self.pid)
 
     def start(self) -> "TreeMemory":
         self.sample()
@@ -269,11 +274,13 @@ class ServiceProcess:
         return self
 
     def kill(self) -> int | None:
-        """SIGKILL, as the OOM killer or a power cut would: no drain, no clean-up; returns the exit status (-9)."""
+        """SIGKILL to the whole process tree (the worker and its ffmpeg first, then the arbiter), as a power cut or
+        the unit's cgroup kill would: no drain, no clean-up; returns the arbiter's exit status (-9). (The arbiter
+        alone left its worker running on as an orphan, finishing or abandoning its writes after the next start.)"""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
+            kill_tree(self.proc.pid)
         return self.proc.wait()
 
     def stop(self, timeout: float = 30.0) -> int | None:
