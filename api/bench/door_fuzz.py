@@ -206,6 +206,23 @@ def _event(kind: str, data: dict[str, Any], payload: bytes | None = None) -> Any
 ENDINGS = {"end": Frame('{"type": "end"}'), "cancel": Frame('{"type": "cancel"}')}
 
 
+def _handshake(url: str, timeout: float):
+    """The session's connection. A handshake refused with 429 and Retry-After is the documented stream allowance
+    (the slots of sessions that just ended abruptly are given back a moment later): waited for, within `timeout`;
+    anything else, or a refusal past it, is the caller's finding."""
+    import websocket
+
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return websocket.create_connection(url, timeout=timeout)
+        except websocket.WebSocketBadStatusException as exc:
+            retry = (exc.resp_headers or {}).get("retry-after")
+            if exc.status_code != 429 or retry is None or time.monotonic() + float(retry) > end:
+                raise
+            time.sleep(float(retry))
+
+
 def ws_session(url: str, frames: list[Frame], ending: str, max_text: int = TEXT_CAP,
                timeout: float = SESSION_TIMEOUT_S) -> tuple[int, str, list[str], list[str]]:
     """Send `frames`, then the ending; read until the server's close. (frames sent, outcome, error codes, problems)."""
@@ -213,7 +230,7 @@ def ws_session(url: str, frames: list[Frame], ending: str, max_text: int = TEXT_
 
     problems: list[str] = []
     try:
-        ws = websocket.create_connection(url, timeout=timeout)
+        ws = _handshake(url, timeout)
     except (websocket.WebSocketException, OSError) as exc:
         return 0, "no handshake", [], [f"the handshake failed: {type(exc).__name__}: {exc}"]
     sent = 0
