@@ -6,6 +6,12 @@ prompt token for the first, then each earlier speech token) on the segment's tex
 the text the model was when it decided what to say next. A segment's pass is one call; a stream's is one call per
 chunk over the new tokens only, with the pass's own key/value cache, so streaming costs what one call costs.
 
+The prompt (sos, prompt text, text, task id, prompt speech: a third or more of the sequence) is not run again: the
+LLM's prefill already computed its keys and values, and the decode scheduler leaves a copy of the pass's layers
+(`scheduler.Prefix`), so the first call starts from the prompt's last position. The prefill is the LLM graph of
+the engine's target (int8 on cpu, fp32, fp16), the pass int8: the cache is that precision's, within its gate of the
+pass's own (tests/device/test_cv_words.py compares the two).
+
 The session is created on first use: an engine that never times words never pays its memory. It runs on the CPU
 provider whatever the engine's (int8 weights; like CAM++ it has no TensorRT profile and no place in a GPU's memory
 plan), with the engine's thread count.
@@ -19,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from cosyedge.device.cosyvoice2.scheduler import Prefix
 from cosyedge.device.sessions import SessionConfig
 
 
@@ -38,9 +45,15 @@ class AttentionPass:
                 self._session = self._sessions.create(self._path)
             return self._session
 
-    def begin(self, lm_input: np.ndarray, text_positions: np.ndarray) -> "SegmentPass":
-        """A new pass over one segment: `lm_input` [1, L, H] as the LLM got it, the positions of its text tokens."""
-        return SegmentPass(self, lm_input, np.asarray(text_positions, np.int64))
+    @property
+    def depth(self) -> int:
+        """The LLM layers the pass runs (the prefix the decode scheduler keeps for it)."""
+        return int(next(i.shape for i in self.session().get_inputs() if i.name == "past_key")[0])
+
+    def begin(self, lm_input: np.ndarray, text_positions: np.ndarray, prefix: Prefix | None = None) -> "SegmentPass":
+        """A new pass over one segment: `lm_input` [1, L, H] as the LLM got it, the positions of its text tokens,
+        and where the prefill leaves the prompt's cache (None, or not filled by the first `extend`: computed)."""
+        return SegmentPass(self, lm_input, np.asarray(text_positions, np.int64), prefix)
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
         return np.asarray(self._speech_embedding[np.asarray(tokens, np.int64)], np.float32)
@@ -50,8 +63,10 @@ class SegmentPass:
     """One segment's pass (never shared): `extend(tokens)` with all speech tokens known so far computes the rows of
     the new ones; `attention` is [tokens so far, text tokens]."""
 
-    def __init__(self, owner: AttentionPass, lm_input: np.ndarray, text_positions: np.ndarray) -> None:
+    def __init__(self, owner: AttentionPass, lm_input: np.ndarray, text_positions: np.ndarray,
+                 prefix: Prefix | None) -> None:
         self._owner = owner
+        self._prefix = prefix
         self._lm_input = lm_input
         self._text = text_positions
         self._cache: tuple[np.ndarray, np.ndarray] | None = None
@@ -73,12 +88,17 @@ class SegmentPass:
             return
         session = self._owner.session()
         if self._cache is None:
-            new = self._owner.embed(tokens[:len(tokens) - 1])
-            embeds = np.concatenate([self._lm_input[0], new.reshape(-1, self._lm_input.shape[2])])[None]
-            depth, _, heads, _, dim = next(i.shape for i in session.get_inputs() if i.name == "past_key")
-            empty = np.zeros((depth, 1, heads, 0, dim), np.float32)
-            past = (empty, empty)
-            skip = self._lm_input.shape[1] - 1  # the prompt's rows before the one that chose the first token
+            new = self._owner.embed(tokens[:len(tokens) - 1]).reshape(-1, self._lm_input.shape[2])
+            prefix = self._prefix
+            if prefix is not None and prefix.key is not None:  # the prefill's cache: start at the prompt's end
+                embeds = np.concatenate([self._lm_input[0, -1:], new])[None]
+                past, skip = (prefix.key, prefix.value), 0
+            else:
+                embeds = np.concatenate([self._lm_input[0], new])[None]
+                _, _, heads, _, dim = next(i.shape for i in session.get_inputs() if i.name == "past_key")
+                empty = np.zeros((self._owner.depth, 1, heads, 0, dim), np.float32)
+                past = (empty, empty)
+                skip = self._lm_input.shape[1] - 1  # the prompt's rows before the one that chose the first token
         else:
             embeds = self._owner.embed(tokens[self.count - 1:len(tokens) - 1])[None]
             past, skip = self._cache, 0

@@ -166,6 +166,17 @@ class LLMCalls:
             merged.append(ort.OrtValue.ortvalue_from_numpy(stacked, self._device, 0))
         return StackedCache(merged[0], merged[1], lengths)
 
+    def row_prefix(self, cache: KVCache, row: int, layers: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of row `row`'s keys and values at its first `positions` positions in the first `layers` layers,
+        [layers, 1, KV, positions, D] float32: the word-timing pass's cache over the same prompt."""
+        if isinstance(cache, SharedCache):
+            span, key, value = slice(0, positions), cache.key, cache.value                      # left-aligned
+        else:
+            start = cache.width - int(cache.lengths[row])                                        # right-aligned
+            span, key, value = slice(start, start + positions), cache.key.numpy(), cache.value.numpy()
+        return (np.ascontiguousarray(key[:layers, row:row + 1, :, span], np.float32),
+                np.ascontiguousarray(value[:layers, row:row + 1, :, span], np.float32))
+
     # ------------------------------------------------------------------------------------------- internals
     def _check_positions(self, positions: int) -> None:
         if self._max_positions and positions > self._max_positions:

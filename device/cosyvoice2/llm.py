@@ -138,6 +138,10 @@ class SpeechLM:
         """One decode step: token r [B] goes to row r at its own next position; logits [B, V] and the longer cache."""
         return self._calls.decode(self._speech_embedding[np.asarray(tokens, np.int64)][:, None], cache)
 
+    def row_prefix(self, cache: KVCache, row: int, layers: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row `row`'s keys and values of its first `positions` positions in the first `layers` layers (copies)."""
+        return self._calls.row_prefix(cache, row, layers, positions)
+
     def merge_caches(self, parts: Sequence[tuple[KVCache, Sequence[int]]]) -> KVCache:
         """A new cache holding the given rows of each part, in order (rows joining and leaving a running batch).
         Copies through host memory once; a running batch pays this only when its rows change."""

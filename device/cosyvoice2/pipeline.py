@@ -36,7 +36,7 @@ from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretc
 from cosyedge.device.cosyvoice2.llm import SpeechLM
 from cosyedge.device.cosyvoice2.parts import FamilyParts, PartsBuilder
 from cosyedge.device.cosyvoice2.presets import Preset, bundle_presets
-from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler
+from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler, Prefix
 from cosyedge.device.cosyvoice2.streaming import ChunkGate, stream_tokens
 from cosyedge.device.cosyvoice2.voices import ModeInputs, Voice
 from cosyedge.device.errors import (BundleError, Cancelled, EmptyTextError, FixedVoicesError, InputError,
@@ -188,17 +188,19 @@ class CosyVoicePipeline(Pipeline):
         convolutions would see another row's padding). A job's result is what it gives alone."""
         return self._render(jobs, batch_max)[0]
 
-    def _render(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]], batch_max: int
+    def _render(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]], batch_max: int,
+                prefixes: Sequence[Sequence[Prefix]] | None = None
                 ) -> tuple[list[list[np.ndarray]], list[list[list[int]]]]:
-        """`synthesize_many`'s waveforms, and the LLM's speech tokens of every segment (before the token filter)."""
+        """`synthesize_many`'s waveforms, and the LLM's speech tokens of every segment (before the token filter);
+        `prefixes[job][segment]` receives the segment's prefill cache for the word-timing pass."""
         pending = []
-        for segments, request in jobs:
+        for job, (segments, request) in enumerate(jobs):
             inputs = self._mode_inputs(request)
             rng = np.random.default_rng(request.seed)
             lm_inputs = [self._lm_input(segment, inputs) for segment in segments]
             group = self._decoder.group(lm_inputs, [len(segment.ids) for segment in segments],
-                                        request.sampling == "greedy", rng, pinned_tokens(request),
-                                        batch_max) if segments else None
+                                        request.sampling == "greedy", rng, pinned_tokens(request), batch_max,
+                                        prefixes=prefixes[job] if prefixes else None) if segments else None
             pending.append((inputs, rng, group))
         self._decoder.enqueue([group for _, _, group in pending if group is not None])  # one prefill if they fit
         spoken = []  # (job, segment, prompt, tokens) of every segment that has speech tokens
@@ -248,13 +250,14 @@ class CosyVoicePipeline(Pipeline):
         prompt, text and speech tokens; the audio's length spread over the tokens the flow voiced."""
         if self._aligner is None:
             return super().synthesize_words(segments, options, batch_max)
-        (waves,), (decoded,) = self._render([(segments, options)], batch_max)
+        prefixes = [Prefix(self._aligner.depth) for _ in segments]
+        (waves,), (decoded,) = self._render([(segments, options)], batch_max, [prefixes])
         inputs = self._mode_inputs(options)
         out = []
-        for segment, wave, tokens in zip(segments, waves, decoded):
+        for segment, wave, tokens, prefix in zip(segments, waves, decoded, prefixes):
             seconds = wave.size / self.sample_rate
             kept = self._kept(tokens)
-            attention = self._segment_pass(segment, inputs, tokens).attention
+            attention = self._segment_pass(segment, inputs, tokens, prefix).attention
             edges = token_edges(kept, seconds / max(sum(kept), 1))
             out.append((wave, segment_words(attention, segment.words, edges, seconds)))
         return out
@@ -273,11 +276,12 @@ class CosyVoicePipeline(Pipeline):
         inputs = self._mode_inputs(request)
         heard: list[int] = []
         ended = threading.Event()
-        state = self._segment_pass(segment, inputs, ())
+        prefix = Prefix(self._aligner.depth)
+        state = self._segment_pass(segment, inputs, (), prefix)
         words = StreamWords(segment.words, settle=self._schedule.lookahead)
         per_token = self._vocoder.samples_per_frame * self._flow.config.token_mel_ratio / self.sample_rate
         emitted = 0
-        for chunk in self._stream(segment, inputs, request, stop, batch_max, _tapped(heard, ended)):
+        for chunk in self._stream(segment, inputs, request, stop, batch_max, _tapped(heard, ended), prefix):
             emitted += chunk.size
             state.extend(heard)
             edges = token_edges(self._kept(heard), per_token)
@@ -286,10 +290,12 @@ class CosyVoicePipeline(Pipeline):
             else:
                 yield chunk, words.update(state.attention, edges, emitted / self.sample_rate)
 
-    def _segment_pass(self, segment: Segment, inputs: ModeInputs, tokens: Sequence[int]) -> SegmentPass:
-        """A word-timing pass over `segment` as the LLM read it (prompt, text), after `tokens`."""
+    def _segment_pass(self, segment: Segment, inputs: ModeInputs, tokens: Sequence[int],
+                      prefix: Prefix | None = None) -> SegmentPass:
+        """A word-timing pass over `segment` as the LLM read it (prompt, text), after `tokens`, from the prompt's
+        cache the prefill left in `prefix`."""
         state = self._aligner.begin(self._lm_input(segment, inputs),
-                                    1 + len(inputs.prompt_text) + np.arange(len(segment.ids)))
+                                    1 + len(inputs.prompt_text) + np.arange(len(segment.ids)), prefix)
         state.extend(tokens)
         return state
 
@@ -324,11 +330,14 @@ class CosyVoicePipeline(Pipeline):
         yield from self._stream(segment, self._mode_inputs(request), request, stop, batch_max)
 
     def _stream(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, stop: threading.Event | None,
-                batch_max: int, tap: Callable[[Iterable[int]], Iterator[int]] | None = None) -> Iterator[np.ndarray]:
-        """The chunks of one segment at speed 1; `tap` sees every token on its way to the stream loop."""
+                batch_max: int, tap: Callable[[Iterable[int]], Iterator[int]] | None = None,
+                prefix: Prefix | None = None) -> Iterator[np.ndarray]:
+        """The chunks of one segment at speed 1; `tap` sees every token on its way to the stream loop; `prefix`
+        receives the prefill's cache (the word-timing pass)."""
         seeds = np.random.SeedSequence(request.seed)
         noise = None if request.deterministic else np.random.default_rng(seeds.spawn(1)[0])
-        tokens: Iterable[int] = self._tokens(segment, inputs, request, np.random.default_rng(seeds), batch_max, stop)
+        tokens: Iterable[int] = self._tokens(segment, inputs, request, np.random.default_rng(seeds), batch_max, stop,
+                                             prefix)
         if stop is not None:
             tokens = _until(tokens, stop)
         yield from self.stream_tokens(tap(tokens) if tap else tokens, request, noise)
@@ -425,10 +434,11 @@ class CosyVoicePipeline(Pipeline):
                                  self._parts.token_filter(), self._chunk_gate, self._preset(request))
 
     def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator,
-                batch_max: int = DECODE_ROWS, stop: threading.Event | None = None) -> Iterator[int]:
+                batch_max: int = DECODE_ROWS, stop: threading.Event | None = None,
+                prefix: Prefix | None = None) -> Iterator[int]:
         lm_input = self._lm_input(segment, inputs)
         return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, pinned_tokens(request),
-                                    batch_max, stop)
+                                    batch_max, stop, prefix)
 
     def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:
         voice = self._voice(request.voice)

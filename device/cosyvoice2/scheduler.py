@@ -44,6 +44,16 @@ _END = object()  # queue marker: the row stopped
 
 
 @dataclass(eq=False)
+class Prefix:
+    """Where the worker leaves a row's prefill keys and values (its first `layers` layers, every prompt position but
+    the last) before the row's first token: the word-timing pass starts from them instead of recomputing the
+    prompt (device/cosyvoice2/attention.py)."""
+    layers: int
+    key: np.ndarray | None = None
+    value: np.ndarray | None = None
+
+
+@dataclass(eq=False)
 class _Row:
     """One prompt being decoded: its length rule, generated tokens and the queue its consumer reads."""
     group: "DecodeGroup"
@@ -53,6 +63,7 @@ class _Row:
     history: list[int] = field(default_factory=list)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     done: bool = False
+    prefix: Prefix | None = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done:
@@ -65,7 +76,7 @@ class DecodeGroup:
 
     def __init__(self, lm_inputs: Sequence[np.ndarray], limits: Sequence[tuple[int, int]], greedy: bool,
                  rng: np.random.Generator, pinned: bool, max_rows: int | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None) -> None:
         self.greedy = greedy
         self.rng = rng
         self.pinned = pinned
@@ -73,6 +84,8 @@ class DecodeGroup:
         self.stop = stop  # set by the request's owner (a client went away): the rows leave, the reader gets Cancelled
         self.cancelled = False
         self.rows = [_Row(self, x, lo, hi) for x, (lo, hi) in zip(lm_inputs, limits)]
+        for row, prefix in zip(self.rows, prefixes or ()):
+            row.prefix = prefix
 
     def stopped(self) -> bool:
         return self.cancelled or (self.stop is not None and self.stop.is_set())
@@ -119,19 +132,20 @@ class DecodeScheduler:
     # -- request threads ---------------------------------------------------------------------
     def submit(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
                rng: np.random.Generator, pin: int | None = None, max_rows: int | None = None,
-               stop: threading.Event | None = None) -> DecodeGroup:
+               stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None) -> DecodeGroup:
         """Queue prompts [1, L, H] that decode together under one Generator; returns at once. `pin` = exactly
-        that many tokens per row (benchmarks); `max_rows` bounds the batch the group joins; `stop` withdraws it."""
-        group = self.group(lm_inputs, n_text_tokens, greedy, rng, pin, max_rows, stop)
+        that many tokens per row (benchmarks); `max_rows` bounds the batch the group joins; `stop` withdraws it;
+        `prefixes[i]` receives row i's prefill cache."""
+        group = self.group(lm_inputs, n_text_tokens, greedy, rng, pin, max_rows, stop, prefixes)
         self.enqueue([group])
         return group
 
     def group(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
               rng: np.random.Generator, pin: int | None = None, max_rows: int | None = None,
-              stop: threading.Event | None = None) -> DecodeGroup:
+              stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None) -> DecodeGroup:
         """A group for `enqueue` (the arguments of `submit`), not yet queued."""
         limits = [self._lm.config.min_max_len(n, pin) for n in n_text_tokens]
-        return DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None, max_rows, stop)
+        return DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None, max_rows, stop, prefixes)
 
     def enqueue(self, groups: Sequence[DecodeGroup]) -> None:
         """Queue groups at once, so that requests that arrived together are prefilled together."""
@@ -144,10 +158,10 @@ class DecodeScheduler:
 
     def stream(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool, rng: np.random.Generator,
                pin: int | None = None, max_rows: int | None = None,
-               stop: threading.Event | None = None) -> Iterator[int]:
+               stop: threading.Event | None = None, prefix: Prefix | None = None) -> Iterator[int]:
         """One prompt's tokens as they are chosen; closing the iterator early, or setting `stop`, withdraws the
         row before the next decode step."""
-        group = self.submit([lm_input], [n_text_tokens], greedy, rng, pin, max_rows, stop)
+        group = self.submit([lm_input], [n_text_tokens], greedy, rng, pin, max_rows, stop, [prefix])
         try:
             yield from group.tokens(0)
         finally:
@@ -222,6 +236,10 @@ class DecodeScheduler:
         if new_rows:
             began = time.perf_counter()
             logits, cache = self._lm.prefill([row.lm_input for row in new_rows])
+            for index, row in enumerate(new_rows):  # before the first token, so a reader of tokens sees it
+                if row.prefix is not None:
+                    row.prefix.key, row.prefix.value = self._lm.row_prefix(cache, index, row.prefix.layers,
+                                                                           row.lm_input.shape[1] - 1)
             self._choose(new_rows, logits)
             with self._cond:
                 self._prefills += 1

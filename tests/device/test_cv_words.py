@@ -76,3 +76,25 @@ def test_the_pass_over_a_stream_equals_the_pass_over_the_whole_segment(engine: E
         pieces.extend(tokens[:end])
     assert whole.shape == (len(tokens), len(segment.ids))
     np.testing.assert_allclose(pieces.attention, whole, atol=1e-6)
+
+
+def test_the_pass_from_the_prefills_cache_equals_the_pass_over_its_own_prompt(engine: Engine) -> None:
+    """The prompt's keys and values come from the LLM's prefill (`scheduler.Prefix`), not from the pass again:
+    two segments of different lengths prefilled in one padded call, each pass started from its row's cache, give
+    the rows of the pass that computes its prompt itself (a row or position slicing error would not)."""
+    from cosyedge.device.cosyvoice2.scheduler import Prefix
+    pipeline = engine.pipeline
+    segments = engine.segments(TEXT, words=True)
+    request = options(engine)
+    inputs = pipeline._mode_inputs(request)
+    lm_inputs = [pipeline._lm_input(segment, inputs) for segment in segments]
+    assert len({x.shape[1] for x in lm_inputs}) == 2               # padded rows: the slice must find each one's
+    prefixes = [Prefix(pipeline._aligner.depth) for _ in segments]
+    group = pipeline._decoder.submit(lm_inputs, [len(s.ids) for s in segments], True, np.random.default_rng(0),
+                                     prefixes=prefixes)
+    for segment, tokens, prefix, lm_input in zip(segments, group.results(), prefixes, lm_inputs):
+        assert prefix.key.shape[3] == lm_input.shape[1] - 1
+        reused = pipeline._segment_pass(segment, inputs, tokens, prefix).attention
+        own = pipeline._segment_pass(segment, inputs, tokens).attention
+        assert reused.shape == own.shape == (len(tokens), len(segment.ids))
+        np.testing.assert_allclose(reused, own, atol=1e-4)

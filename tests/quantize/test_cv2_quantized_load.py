@@ -216,3 +216,25 @@ def test_runtime_loads_and_runs_the_quantized_graphs(bundle, reference, target, 
         assert got.shape == want.shape and np.isfinite(got).all(), target
         assert not np.array_equal(got, want), target
         assert THRESHOLDS["hift"]["snr_db_min"] <= snr_db(want, got) < 100, (target, snr_db(want, got))
+
+
+def test_the_cpu_word_pass_starts_from_the_llms_shared_cache(bundle):
+    """cpu: the LLM's shared key/value buffers (GroupQueryAttention, left-aligned rows of a right-padded prefill)
+    hold the prompt as the int8 word-timing pass computes it: the pass started from each row's copy
+    (`scheduler.Prefix`) gives the rows of the pass that computes its prompt itself."""
+    from cosyedge.device.cosyvoice2.scheduler import Prefix
+    engine = _load(bundle, "cpu")
+    pipeline = engine.pipeline
+    assert pipeline._lm._calls.shared
+    request = engine.options(voice=VOICE, sampling="greedy", deterministic=True)
+    inputs = pipeline._mode_inputs(request)
+    segments = [engine.segments(text, words=True)[0] for text in (TEXT, "你好。")]
+    lm_inputs = [pipeline._lm_input(segment, inputs) for segment in segments]
+    prefixes = [Prefix(pipeline._aligner.depth) for _ in segments]
+    group = pipeline._decoder.submit(lm_inputs, [len(s.ids) for s in segments], True, np.random.default_rng(0),
+                                     prefixes=prefixes)
+    for segment, tokens, prefix in zip(segments, group.results(), prefixes):
+        reused = pipeline._segment_pass(segment, inputs, tokens, prefix).attention
+        own = pipeline._segment_pass(segment, inputs, tokens).attention
+        assert reused.shape == own.shape == (len(tokens), len(segment.ids))
+        np.testing.assert_allclose(reused, own, atol=1e-3)
