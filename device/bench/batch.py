@@ -1,9 +1,11 @@
 """`cosyedge bench-batch`: what a batch job makes per hour on a bundle, the same lines in one run at several lines
 in flight on one engine and on a local Ray cluster of several engines (issue 22 item 5).
 
-Every engine gets the same intra-op threads (ONNX Runtime's float sums follow the thread count, so only then are
-the files of every run byte-identical, which the report checks), and every run is a fresh output directory (no
-line skipped). Engine loads and the cluster's start are outside the job's wall time and reported apart."""
+Every engine of a thread count gets the same intra-op threads (ONNX Runtime's float sums follow the thread count,
+so only then are the files of every run byte-identical, which the report checks within each thread count); several
+thread counts (`--threads 2,1`) load the engine once each, so the in-flight runs of both are measured in one run.
+Every run is a fresh output directory (no line skipped). Engine loads and the cluster's start are outside the
+job's wall time and reported apart."""
 from __future__ import annotations
 
 import os
@@ -41,27 +43,34 @@ def _files(out: Path) -> dict[str, bytes]:
 
 def run_batch_bench(lines: list[Line], work: Path, bundle: str | None = None, precision: str = "auto",
                     target: str | None = None, in_flight: Sequence[int] = (1, 2, 4, 8), actors: int = 2,
-                    threads: int | None = None, values: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One engine at each of `in_flight`, then `actors` engines on a throwaway local Ray cluster (0: none), each
-    engine with `threads` intra-op threads (default: this machine's CPUs shared by the actors); outputs in
-    `work/<run>/`. `values`: the request's fields as synth-batch takes them (e.g. voice, preset, sampling), always
-    deterministic."""
+                    threads: Sequence[int] = (), values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """For each of `threads` (intra-op threads; default: this machine's CPUs shared by the actors) one engine at each
+    of `in_flight`, then `actors` engines of the first thread count on a throwaway local Ray cluster (0: none);
+    outputs in `work/<run>/`. `values`: the request's fields as synth-batch takes them (e.g. voice, preset,
+    sampling), always deterministic."""
     values = {**(values or {}), **VALUES}
-    threads = threads or max(1, len(os.sched_getaffinity(0)) // max(1, actors))
-    runs = [(f"in-flight-{n}", n) for n in in_flight] + ([(f"ray-{actors}-actors", max(in_flight))] if actors else [])
-    for name, _ in runs:
+    threads = list(threads) or [max(1, len(os.sched_getaffinity(0)) // max(1, actors))]
+    suffix = (lambda t: f"-t{t}") if len(threads) > 1 else (lambda t: "")
+    runs = [(f"in-flight-{n}{suffix(t)}", n, t) for t in threads for n in in_flight]
+    if actors:
+        runs.append((f"ray-{actors}-actors", max(in_flight), threads[0]))
+    for name, _, _ in runs:
         _fresh(work / name)
-    began = time.perf_counter()
-    engine = Engine.load(bundle, precision=precision, target=target,
-                         sessions=replace(SessionConfig.from_env(), intra_op_threads=threads))
-    loaded, job = time.perf_counter() - began, parse(values, SYNTH_BATCH, engine)
-    rows = [_row(name, 1, threads, n, run_job(engine, lines, work / name, job, progress=False, in_flight=n), loaded)
-            for name, n in runs[:len(in_flight)]]
+    rows, loaded_as = [], {}
+    for count in threads:
+        began = time.perf_counter()
+        engine = Engine.load(bundle, precision=precision, target=target,
+                             sessions=replace(SessionConfig.from_env(), intra_op_threads=count))
+        loaded, job = time.perf_counter() - began, parse(values, SYNTH_BATCH, engine)
+        rows += [_row(name, 1, count, n, run_job(engine, lines, work / name, job, progress=False, in_flight=n), loaded)
+                 for name, n, t in runs if t == count and not name.startswith("ray-")]
+        loaded_as = {"bundle": engine.bundle.manifest.name, "precision": engine.precision}
+        del engine  # before the next thread count's engine loads: one engine's memory at a time
     if actors:
         from cosyedge.device.ray_jobs import Actors, cluster, run_on_ray
-        name, per_actor = runs[-1]
+        name, per_actor, _ = runs[-1]
         began = time.perf_counter()
-        with cluster("local", cpus=actors * threads) as ray:
+        with cluster("local", cpus=actors * threads[0]) as ray:
             pool = Actors(ray, values, bundle, precision, target, count=actors, in_flight=per_actor)
             try:
                 started = time.perf_counter() - began
@@ -69,12 +78,10 @@ def run_batch_bench(lines: list[Line], work: Path, bundle: str | None = None, pr
                                  run_on_ray(pool, lines, work / name, progress=False), started))
             finally:
                 pool.close()
-    first = _files(work / runs[0][0])
-    differ = [name for name, _ in runs[1:] if _files(work / name) != first]
-    return {"bundle": engine.bundle.manifest.name, "precision": engine.precision, "request": values,
-            "lines": len(lines),
-            "threads_per_engine": threads, "cpus": len(os.sched_getaffinity(0)), "runs": rows,
-            "identical": not differ, "differ": differ}
+    first = {t: _files(work / next(name for name, _, c in runs if c == t)) for t in threads}
+    differ = [name for name, _, t in runs if _files(work / name) != first[t]]
+    return {**loaded_as, "request": values, "lines": len(lines), "threads_per_engine": threads,
+            "cpus": len(os.sched_getaffinity(0)), "runs": rows, "identical": not differ, "differ": differ}
 
 
 def batch_table(report: dict[str, Any]) -> str:
@@ -84,6 +91,8 @@ def batch_table(report: dict[str, Any]) -> str:
     rows = [f"{r['run']:<18}{r['engines']:>8}{r['threads']:>8}{r['in_flight']:>10}{r['lines_per_hour'] or 0:>10}"
             f"{r['audio_s_per_s'] or 0:>11.2f}{r['rtf'] or 0:>8.3f}{r['start_s']:>9.1f}" for r in report["runs"]]
     same = "byte-identical" if report["identical"] else f"DIFFER: {', '.join(report['differ'])}"
+    if len(report["threads_per_engine"]) > 1:
+        same = f"of a thread count {same}"
     request = ", ".join(f"{k}={v}" for k, v in report["request"].items())
     return "\n".join([head, *rows, f"{report['lines']} lines, {report['bundle']} {report['precision']} ({request}), "
                                    f"{report['cpus']} CPUs; files of every run {same}"])

@@ -115,8 +115,9 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         raise InputError("--in-flight needs at least one value")
     if not 0 <= args.actors <= 64:
         raise InputError("--actors must be in 0-64 (0: no Ray run)")
-    if args.threads is not None and not 1 <= args.threads <= 256:
-        raise InputError("--threads must be in 1-256")
+    threads = _parse_list(args.threads, "--threads", int) if args.threads else []
+    if any(not 1 <= t <= 256 for t in threads) or len(set(threads)) != len(threads):
+        raise InputError("--threads must be distinct counts in 1-256")
     lines = read_lines(Path(args.input))
     out = writable(Path(args.json)) if args.json else None
     if args.actors:
@@ -124,7 +125,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         require_ray()
     with tempfile.TemporaryDirectory(prefix="cosyedge-bench-batch-") as scratch:
         report = run_batch_bench(lines, Path(args.out_dir or scratch), args.bundle, args.precision, args.target,
-                                 in_flight, args.actors, args.threads, cli_values(args, SYNTH_BATCH))
+                                 in_flight, args.actors, threads, cli_values(args, SYNTH_BATCH))
     print(batch_table(report))
     if out:
         write_json(report, out)
@@ -170,7 +171,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--actors", type=int, default=2,
                    help="engines on a throwaway local Ray cluster, the largest --in-flight each (0: no Ray run; "
                         "needs cosyedge[ray])")
-    p.add_argument("--threads", type=int, help="intra-op threads of every engine (default: the CPUs / --actors)")
+    p.add_argument("--threads", help="intra-op threads of the engines, comma list: each count's engine runs every "
+                                     "--in-flight (default: the CPUs / --actors; Ray actors: the first)")
     p.add_argument("--out-dir", help="keep every run's files here, one folder per run (default: a temporary one)")
     add_flags(p, SYNTH_BATCH)  # the request of every line (always --deterministic: the runs' files are compared)
     p.add_argument("--json", help="also write the report to this file")

@@ -181,3 +181,24 @@ def test_an_actor_killed_mid_job_loses_nothing_and_doubles_nothing(actors, ray_c
     assert placed == Counter({f"{line.key}.wav": 1 for line in MANY})  # each line written once, by the driver
     assert sorted(_files(out)) == sorted(f"{line.key}.wav" for line in MANY) and not list(out.glob(".*"))
     assert (out / DEAD_LETTER).read_text() == ""
+
+
+def test_bench_batch_measures_several_thread_counts_in_one_run(default_bundle_path, tmp_path):
+    """`--threads 1,2`: one engine per thread count, each at every --in-flight (run names say the count); files are
+    compared within a thread count (ORT's sums follow the threads); bad counts are one line, exit 2."""
+    book = tmp_path / "book.txt"
+    book.write_text("One small line.\nTwo small lines.\nThree.\n")
+    result = _cosyedge("bench-batch", str(book), "--bundle", str(default_bundle_path), "--precision", "fp32",
+                       "--in-flight", "1,2", "--actors", "0", "--threads", "1,2", "--json", str(tmp_path / "b.json"),
+                       home=default_bundle_path.parents[1])
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert [(r["run"], r["threads"], r["in_flight"]) for r in report["runs"]] == [
+        ("in-flight-1-t1", 1, 1), ("in-flight-2-t1", 1, 2), ("in-flight-1-t2", 2, 1), ("in-flight-2-t2", 2, 2)]
+    assert report["threads_per_engine"] == [1, 2] and report["identical"] is True
+    assert all(r["lines"] == 3 and r["audio_s_per_s"] > 0 for r in report["runs"])
+    assert "of a thread count byte-identical" in result.stdout
+    for bad in ("0", "1,1", "x"):
+        refused = _cosyedge("bench-batch", str(book), "--actors", "0", "--threads", bad,
+                            home=default_bundle_path.parents[1])
+        assert refused.returncode == 2 and "--threads" in refused.stderr and "Traceback" not in refused.stderr
