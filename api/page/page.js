@@ -1,13 +1,13 @@
-// The control page: only the public API (/v1/tts, /v1/audio/voices, /readyz, /metrics, /v1/bundle, and the
-// WebSocket /v1/audio/stream for words), so it doubles as an example of it. wav and pcm play while they stream (Web
-// Audio); the other formats play once fetched; "words" speaks over the WebSocket and highlights each word as heard.
+// The control page: only the public API (/v1/tts, /v1/audio/voices, /readyz, /metrics, /v1/bundle), so it doubles
+// as an example of it. wav and pcm play while they stream (Web Audio); the other formats play once fetched; "words"
+// streams pcm with `timestamps` and highlights each word as heard.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const STREAMED = new Set(["wav", "pcm"]);
 const WAV_HEADER = 44; // the streamed wav header (unknown sizes), then pcm16
 const state = { played: { requests: 0, samples: 0, seconds: 0 }, recent: [], audio: null, sources: [], recorder: null,
-                recorded: null, rate: 0, at: 0, anchors: [], words: [], heard: -1 };
+                recorded: null, at: 0, anchors: [], words: [], heard: -1 };
 window.cosyedge = state; // what the browser test reads
 
 // With an API key configured the service answers 401: the page asks for the key once and sends it as a Bearer
@@ -80,7 +80,6 @@ function row(cells) {
 async function loadBundle() {
   const bundle = await (await api("/v1/bundle")).json();
   $("bundle-name").textContent = bundle.name;
-  state.rate = bundle.sample_rate; // the WebSocket's pcm comes at the voice's rate
   const items = [["name", bundle.name], ["family", bundle.family], ["sample rate", `${bundle.sample_rate} Hz`],
                  ["graphs", bundle.selection], ["voices", bundle.voices]];
   $("bundle").replaceChildren(...items.flatMap(([k, v]) => {
@@ -218,24 +217,20 @@ async function play() {
                  stream: STREAMED.has(format) };
   if ($("repeatable").checked) Object.assign(body, { deterministic: true, seed: 0 }); // cacheable (api/README.md)
   const words = $("words-on").checked;
+  if (words) Object.assign(body, { format: "pcm", stream: true, timestamps: true }); // NDJSON: audio and its words
   stopPlayback();
-  if (body.stream || words) {
+  if (body.stream) {
     state.audio = state.audio || new AudioContext();
     await state.audio.resume(); // inside the click: allowed to make sound
   }
   say("speak-status", "synthesizing...");
   const started = performance.now();
   try {
-    let result, cache = null;
-    if (words) {
-      result = await playWords(body, started);
-    } else {
-      const response = await api("/v1/tts", { method: "POST", headers: { "Content-Type": "application/json" },
-                                             body: JSON.stringify(body) });
-      result = body.stream ? await playStream(response, format === "wav", started)
-        : await playFile(response, format, started);
-      cache = response.headers.get("X-Cosyedge-Cache");
-    }
+    const response = await api("/v1/tts", { method: "POST", headers: { "Content-Type": "application/json" },
+                                           body: JSON.stringify(body) });
+    const result = words ? await playWords(response, started)
+      : body.stream ? await playStream(response, format === "wav", started) : await playFile(response, format, started);
+    const cache = response.headers.get("X-Cosyedge-Cache");
     result.total = performance.now() - started;
     state.played.requests += 1;
     state.played.samples += result.samples;
@@ -275,53 +270,45 @@ async function playStream(response, wav, started) {
   return { first: first ?? performance.now() - started, samples, seconds: samples / rate };
 }
 
-// -- words as they are heard: the WebSocket with `timestamps` (api/README.md) -----------------------------
-// Each `word` event comes once its audio has arrived, on the stream's clock; `anchors` tie that clock to the
-// AudioContext's (each frame's first sample and when it plays), so a gap in the audio does not skew the highlight.
-// A browser cannot send the API key on a WebSocket handshake: with a key configured the stream is refused.
-function playWords(body, started) {
-  const rate = state.rate;
-  const socket = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/v1/audio/stream`);
-  socket.binaryType = "arraybuffer";
+// -- words as they are heard: the speech stream with `timestamps` (api/README.md) ----------------------------
+// Each NDJSON line holds the pcm made since the last one and the words that audio completes, on the stream's clock;
+// `anchors` tie that clock to the AudioContext's (each line's first sample and when it plays), so a gap in the audio
+// does not skew the highlight. A plain fetch, unlike a WebSocket, carries the API key as a Bearer header.
+async function playWords(response, started) {
+  const rate = Number(response.headers.get("X-Sample-Rate"));
+  const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   state.at = state.audio.currentTime + 0.05;
   state.words = [];
   state.heard = -1;
   $("words").replaceChildren();
   const highlight = setInterval(showHeard, 50);
-  let samples = 0, first = null, ended = false;
-  return new Promise((resolve, reject) => {
-    socket.onopen = () => {
-      const start = { type: "start", voice: body.voice, speed: body.speed, format: "pcm", timestamps: true };
-      if (body.deterministic) Object.assign(start, { deterministic: true, seed: body.seed });
-      for (const message of [start, { type: "text", text: body.text }, { type: "end" }]) socket.send(JSON.stringify(message));
-    };
-    socket.onmessage = ({ data }) => {
-      if (typeof data !== "string") {
-        state.anchors.push({ from: samples / rate, at: Math.max(state.at, state.audio.currentTime) });
-        samples += schedulePcm(new DataView(data), rate);
-        if (first === null) first = performance.now() - started;
-        return;
+  let samples = 0, first = null, partial = "";
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      const lines = (partial + value).split("\n");
+      partial = lines.pop();
+      for (const line of lines) {
+        const { audio, words } = JSON.parse(line);
+        const pcm = Uint8Array.from(atob(audio), (c) => c.charCodeAt(0));
+        if (pcm.length) {
+          state.anchors.push({ from: samples / rate, at: Math.max(state.at, state.audio.currentTime) });
+          samples += schedulePcm(new DataView(pcm.buffer), rate);
+          if (first === null) first = performance.now() - started;
+        }
+        for (const word of words) {
+          const span = document.createElement("span");
+          span.textContent = word.text;
+          $("words").append(span, " ");
+          state.words.push(word);
+        }
       }
-      const event = JSON.parse(data);
-      if (event.type === "word") {
-        const span = document.createElement("span");
-        span.textContent = event.text;
-        $("words").append(span, " ");
-        state.words.push(event);
-      } else if (event.type === "error") {
-        reject(new Error(`${event.code}: ${event.message}`));
-      } else if (event.type === "done") {
-        ended = true;
-        setTimeout(() => clearInterval(highlight), 1000 * (state.at - state.audio.currentTime) + 500);
-        resolve({ first: first ?? performance.now() - started, samples, seconds: samples / rate });
-      }
-    };
-    socket.onclose = () => {
-      if (ended) return;
-      clearInterval(highlight);
-      reject(new Error("the word stream closed early (with an API key, a browser cannot open it)"));
-    };
-  });
+    }
+  } finally {
+    setTimeout(() => clearInterval(highlight), 1000 * (state.at - state.audio.currentTime) + 500);
+  }
+  return { first: first ?? performance.now() - started, samples, seconds: samples / rate };
 }
 
 // The word being heard: the last one started at the stream's position now (`state.heard`, its span marked).

@@ -2,7 +2,8 @@
 downloaded browser): it loads without console errors and only from its own origin, a synthesis plays audio of
 non-zero length (streamed wav, and an mp3 file), a repeated repeatable request is a cache hit, and a voice
 registration (an uploaded clip, and one recorded in the page from a synthetic microphone) round-trips on the tiny
-CosyVoice2 bundle; with "words" the page speaks over the WebSocket and highlights each word as it is heard. Skipped, with the reason printed, only where Chromium or playwright is missing.
+CosyVoice2 bundle; with "words" the page streams pcm with word times and highlights each word as it is heard,
+with and without an API key. Skipped, with the reason printed, only where Chromium or playwright is missing.
 
 `COSYEDGE_PAGE_SCREENSHOT=docs/control-page.png` also writes the screenshot the docs show."""
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -53,8 +56,10 @@ def browser() -> Iterator:
 class Watched:
     """A page whose console errors, uncaught exceptions and requests are recorded."""
 
-    def __init__(self, browser, origin: str) -> None:
+    def __init__(self, browser, origin: str, key: str | None = None) -> None:
         self.page = browser.new_page(viewport={"width": 1280, "height": 900})
+        if key:  # where the page keeps an entered key: it loads without a 401 (the key field has its own test)
+            self.page.add_init_script(f"sessionStorage.setItem('cosyedge-api-key', {key!r})")
         self.errors: list[str] = []
         self.foreign: list[str] = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
@@ -181,22 +186,32 @@ def test_voice_registration_round_trips(browser, cv2_tiny_bundle, golden_dir, tm
         assert watched.errors == [] and watched.foreign == []
 
 
-def test_words_appear_and_the_highlight_follows_the_audio(browser, cosyedge_home, default_bundle_path):
-    """"words" speaks over the WebSocket with `timestamps` (under `cosyedge serve`: the in-process server cannot
-    upgrade): every word of the text appears, and the highlighted word moves forward through them as the audio
-    plays, ending on the last one (a highlight that jumped ahead, stood still or went back would fail)."""
+@pytest.mark.parametrize("key", [None, "k3y-" + "0123456789abcdef0123456789ab"], ids=["no key", "api key"])
+def test_words_appear_and_the_highlight_follows_the_audio(browser, cosyedge_home, default_bundle_path, key):
+    """"words" streams pcm with `timestamps` (NDJSON) under `cosyedge serve`, with an API key configured too (the
+    key goes as a Bearer header, never in a URL): every word of the text appears, and the highlighted word moves
+    forward through them as the audio plays, ending on the last one (a highlight that jumped ahead, stood still or
+    went back would fail)."""
     text = "Please take your ticket. Counter three is free."
-    env = {"COSYEDGE_HOME": str(cosyedge_home), "COSYEDGE_PROVIDERS": "cpu", "COSYEDGE_THREADS": "1"}
+    env = {"COSYEDGE_HOME": str(cosyedge_home), "COSYEDGE_PROVIDERS": "cpu", "COSYEDGE_THREADS": "1",
+           **({"COSYEDGE_API_KEY": key} if key else {})}
     with ServiceProcess(env=env) as service:
-        watched = Watched(browser, service.url)
+        if key:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(service.url + "/v1/bundle", timeout=30)
+            assert refused.value.code == 401  # the key is really required
+        watched = Watched(browser, service.url, key)
         page = watched.page
+        urls: list[str] = []
+        page.on("request", lambda r: urls.append(r.url))
         page.fill("#text", text)
         page.check("#words-on")
         page.click("#play")
         heard: list[int] = []
         deadline = time.monotonic() + T / 1000
         while not heard or heard[-1] < len(text.split()) - 1:
-            assert time.monotonic() < deadline, (heard, page.text_content("#speak-status"))
+            status = page.text_content("#speak-status")
+            assert time.monotonic() < deadline and not page.is_visible("#speak-status.error"), (heard, status)
             now = page.evaluate("window.cosyedge.heard")
             if now >= 0 and (not heard or now != heard[-1]):
                 heard.append(now)
@@ -207,3 +222,4 @@ def test_words_appear_and_the_highlight_follows_the_audio(browser, cosyedge_home
         assert page.eval_on_selector_all("#words .heard", "ss => ss.map(s => s.textContent)") == ["free."]
         assert page.text_content("#speak-status").endswith("(pcm, words)")
         assert watched.errors == [] and watched.foreign == []
+        assert not key or not any(key in url for url in urls)  # a header only: URLs end up in logs
