@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -78,22 +79,31 @@ def cv3_tiny_bundle(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     return _tiny_bundle("cosyvoice3", golden_dir, tmp_path_factory)
 
 
-_BLOCK_TORCH = '''
+_BLOCKER = '''
 import importlib.abc, sys
-class _NoTorch(importlib.abc.MetaPathFinder):
+class _Blocked(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "torchaudio"):
-            raise ImportError("torch is forbidden in the device runtime")
+        if name.split(".")[0] in {names!r}:
+            raise ImportError({message!r})
         return None
-sys.meta_path.insert(0, _NoTorch())
+sys.meta_path.insert(0, _Blocked())
 '''
 
 
 @pytest.fixture()
-def torch_blocked_env(tmp_path: Path) -> dict[str, str]:
+def blocked_imports(tmp_path: Path) -> Callable[[tuple[str, ...], str], dict[str, str]]:
+    """`env(names, message)`: the environment of a subprocess in which importing any of the top-level packages
+    `names` fails with `message` (a sitecustomize meta-path blocker), e.g. an optional extra not installed."""
+    def env(names: tuple[str, ...], message: str) -> dict[str, str]:
+        site = tmp_path / f"blocked_{'_'.join(names)}"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(_BLOCKER.format(names=tuple(names), message=message))
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return env
+
+
+@pytest.fixture()
+def torch_blocked_env(blocked_imports: Callable[[tuple[str, ...], str], dict[str, str]]) -> dict[str, str]:
     """Environment for a subprocess in which `import torch` fails (a sitecustomize meta-path blocker)."""
-    site = tmp_path / "no_torch_site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_BLOCK_TORCH)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    return {**blocked_imports(("torch", "torchaudio"), "torch is forbidden in the device runtime"),
             "COSYEDGE_THREADS": "1", "OMP_NUM_THREADS": "1"}

@@ -11,7 +11,8 @@ line, the import and the rule it breaks.
   harness); only the subpackage itself and the tests do;
 - no import cycle between packages, nor between the API's modules; no `getattr` / `hasattr` capability probing in
   the engine or the API;
-- Ray (the optional extra cosyedge[ray]) is imported by cosyedge.device.ray_jobs only, inside a function.
+- Ray (the optional extra cosyedge[ray]) is imported by cosyedge.device.ray_jobs only, inside a function;
+- vox-tts (the optional peer of `cosyedge bench --peer vox`) is imported by cosyedge.device.bench.peer_vox only.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = {"device": "cosyedge.device", "api": "cosyedge.api", "quantize": "cosyedge.quantize"}
 TORCH = ("torch", "torchaudio")
 RAY_MODULE = "cosyedge.device.ray_jobs"  # the one importer of ray (synth-batch --ray)
+VOX_MODULE = "cosyedge.device.bench.peer_vox"  # the one importer of vox (bench --peer vox)
 FAMILIES = ("cosyedge.device.vits", "cosyedge.device.cosyvoice2", "cosyedge.device.cosyvoice3")
 API_MAY_IMPORT = ("cosyedge.device", "cosyedge.device.engine", "cosyedge.device.options", "cosyedge.device.request",
                   "cosyedge.device.errors", "cosyedge.device.audio", "cosyedge.device.paths", "cosyedge.device.door",
@@ -86,6 +88,8 @@ def broken_rule(imp: Import) -> str | None:
     uses_torch = dst.split(".")[0] in TORCH
     if dst.split(".")[0] == "ray" and src != RAY_MODULE:
         return f"only {RAY_MODULE} imports ray (the optional extra cosyedge[ray])"
+    if dst.split(".")[0] == "vox" and src != VOX_MODULE:
+        return f"only {VOX_MODULE} imports vox (the optional bench peer vox-tts)"
     if _within(src, "cosyedge.device"):
         if uses_torch or _within(dst, "cosyedge.api") or _within(dst, "cosyedge.quantize"):
             return "cosyedge.device never imports cosyedge.api, cosyedge.quantize or torch (not even inside functions)"
@@ -153,6 +157,8 @@ def test_checker_flags_forbidden_imports_in_a_synthetic_module():
             "measurement subpackage",
         ("cosyedge.device.jobs", "def f():\n    import ray\n"): "only cosyedge.device.ray_jobs imports ray",
         ("cosyedge.device.bench.batch", "from ray import exceptions\n"): "only cosyedge.device.ray_jobs",
+        ("cosyedge.device.bench.cosyvoice", "def f():\n    from vox.formats import VoiceProfile\n"):
+            "only cosyedge.device.bench.peer_vox imports vox",
     }
     for (module, source), rule in bad.items():
         path = module.replace("cosyedge.", "").replace(".", "/") + ".py"
@@ -165,6 +171,7 @@ def test_checker_flags_forbidden_imports_in_a_synthetic_module():
         "cosyedge.device.families": "import importlib\nimportlib.import_module(spec)\n",
         "cosyedge.api.bench.load": "from cosyedge.api.bench.harness import ServiceProcess\nfrom cosyedge.api import app\n",
         RAY_MODULE: "def f():\n    import ray\n",
+        VOX_MODULE: "def f():\n    import vox\n",
     }
     for module, source in fine.items():
         assert violations(module, source, "x.py", KNOWN) == [], module

@@ -54,7 +54,8 @@ def cmd_bench_cosyvoice(args: argparse.Namespace) -> int:
                                  texts=TEXTS[:count], rounds=args.rounds or 1, sampling=args.sampling,
                                  presets=args.presets.split(",") if args.presets else None,
                                  progress=lambda line: print(line, file=sys.stderr, flush=True),
-                                 compare=[_compare(item) for item in args.compare or ()], words=args.words)
+                                 compare=[_compare(item) for item in args.compare or ()], words=args.words,
+                                 peer=args.peer)
     print(cosyvoice_table(report))
     if out:
         write_json(report, out)
@@ -71,7 +72,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_cosyvoice(args)
     from cosyedge.device.bench.engine import run_bench
     from cosyedge.device.bench.report import engine_table, write_json
-    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts", "presets")
+    given = [name for name in ("concurrency", "stream", "tokens", "reference", "chart", "texts", "presets", "peer")
              if getattr(args, name) is not None] + (["words"] if args.words else [])
     if given:
         raise InputError(f"--{given[0]} applies to CosyVoice bundles only")
@@ -151,6 +152,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cv.add_argument("--tokens", type=int, help="pin every segment to N speech tokens (random-weight bundles never stop)")
     cv.add_argument("--reference", metavar="MODEL_DIR",
                     help="also run the PyTorch reference of this release (fp32, concurrency 1), interleaved")
+    cv.add_argument("--peer", choices=["vox"],
+                    help="also run vox-tts (pip install vox-tts) on the release of --reference, converted by its own "
+                         "converter (LLM q8), interleaved at concurrency 1, stream off; the report has our RTF / vox's")
     cv.add_argument("--chart", help="write a PNG bar chart (RTF, first-chunk p50, throughput per run); "
                                     "needs matplotlib: pip install cosyedge[chart]")
     cv.add_argument("--texts", type=int, help="use the first N texts of the fixed set (zh and en alternate)")

@@ -22,6 +22,9 @@ round-robin to fill the last batch); the c requests of a batch start together on
 device precision, as separate runs of the same worker (the preset is a per-request option); every run carries
 `precision` and `preset` (the reference is the official recipe: `official`).
 
+`--peer vox` adds vox-tts (an independent C++ engine) on the same release (`--reference`) as one more worker at
+concurrency 1, stream off (peer_vox.py); the report's `peer` section says how it ran and holds ours / its RTF.
+
 `--tokens N` pins every segment to exactly N speech tokens (`cosyvoice2.pipeline.pinned`, the bench's own options: no
 stop id can be chosen), because random-weight bundles never stop sensibly; without it lengths follow the model.
 """
@@ -41,12 +44,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from cosyedge.device.bench.clocks import STAGES
+from cosyedge.device.bench.peer_vox import PEER, check_peer
+from cosyedge.device.bench.report import rtf_ratios
 from cosyedge.device.bench.worker import TEXTS, Settings
 from cosyedge.device.errors import CosyedgeError, InputError
 
 DEVICE_WORKER = "cosyedge.device.bench.worker"
 REFERENCE_WORKER = "cosyedge.quantize.cosyvoice2.reference"  # build host only: torch lives in that process
 REFERENCE_WORKERS = {"cosyvoice2": REFERENCE_WORKER, "cosyvoice3": "cosyedge.quantize.cosyvoice3.reference"}
+PEER_WORKER = "cosyedge.device.bench.peer_vox"
 
 
 class Worker:
@@ -194,13 +200,15 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
                         reference: Path | None = None, threads: int = 2, texts: Sequence[str] = TEXTS,
                         rounds: int = 1, sampling: str = "greedy", presets: Sequence[str] | None = None,
                         progress: Callable[[str], None] | None = None,
-                        compare: Sequence[tuple[Path, str]] = (), words: bool = False) -> dict[str, Any]:
+                        compare: Sequence[tuple[Path, str]] = (), words: bool = False,
+                        peer: str | None = None) -> dict[str, Any]:
     """The report `{"machine": ..., "runs": [...]}`; the reference (PyTorch, fp32, same release) runs at
     concurrency 1 only, interleaved batch by batch with the device precisions and presets (one run per precision
     and preset; a precision's presets share its worker). `compare` adds (bundle, precision) pairs of other
     CosyVoice bundles (e.g. CosyVoice2 cpu beside CosyVoice3 cpu) at their default preset, interleaved the same
     way so their ratios come from one run. `words`: the device runs with word times (their pass is the `align`
-    stage, `align_cost_pct` its share of the rest of the synthesis). `progress` gets a line per batch."""
+    stage, `align_cost_pct` its share of the rest of the synthesis). `peer="vox"`: vox-tts on the release of
+    `reference` at concurrency 1, stream off. `progress` gets a line per batch."""
     say = progress or (lambda line: None)
     chosen = _precisions(bundle, precisions)
     chosen_presets = _presets(bundle, presets)
@@ -208,6 +216,8 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
         raise InputError("--tokens must be at least 1")
     if not texts or any(c < 1 for c in concurrency) or rounds < 1 or sampling not in ("greedy", "default"):
         raise InputError("texts, concurrency >= 1, rounds >= 1 and sampling greedy|default are required")
+    if peer is not None:
+        check_peer(_manifest(bundle).family, reference, streams, concurrency)
     settings = Settings(tokens, sampling, words=words)
     python = sys.executable
     devices = [(f"device-{p}", bundle, p) for p in chosen]
@@ -218,6 +228,9 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     if reference is not None:
         workers["reference"] = Worker("reference", [python, "-m", REFERENCE_WORKERS[_manifest(bundle).family], "--worker",
                                                     str(reference), "--threads", str(threads)])
+    if peer is not None:
+        workers[PEER] = Worker(PEER, [python, "-m", PEER_WORKER, "--worker", str(reference), "--bundle", str(bundle),
+                                      "--threads", str(threads)])
     # run name -> (worker, preset): every device precision once per preset, a compared bundle at its default
     # preset, the reference once
     plan = {(f"{name}/{preset}" if len(chosen_presets) > 1 else name): (name, preset)
@@ -225,6 +238,8 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     plan.update({name: (name, _presets(b, None)[0]) for name, b, _ in devices if b != bundle})
     if reference is not None:
         plan["reference"] = ("reference", "official")
+    if peer is not None:
+        plan[PEER] = (PEER, "official")  # vox's flow runs the official recipe only
     runs = []
     turn = 0  # ABBA over every batch of the whole bench, so single-batch configurations alternate too
     try:
@@ -233,7 +248,7 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
             say(f"{name}: ready, peak RSS {info['peak_rss_mb']:.0f} MB")
         for c in concurrency:
             for stream in streams:
-                names = [n for n in plan if c == 1 or n != "reference"]
+                names = [n for n in plan if (c == 1 or n not in ("reference", PEER)) and not (stream and n == PEER)]
                 acc = {name: _Run() for name in names}
                 for _ in range(rounds):
                     for index, batch in enumerate(batches(texts, c)):
@@ -250,4 +265,7 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     finally:
         for worker in workers.values():
             worker.close()
-    return {"machine": machine_info(threads, settings, rounds, len(texts)), "runs": runs}
+    report = {"machine": machine_info(threads, settings, rounds, len(texts)), "runs": runs}
+    if peer is not None:
+        report["peer"] = {**workers[PEER].info["peer"], "ratios": rtf_ratios(runs, PEER)}
+    return report

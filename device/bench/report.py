@@ -35,9 +35,20 @@ def run_precision(run: dict[str, Any]) -> str:
     return "+".join(dict.fromkeys(run["precision"].values()))
 
 
+def rtf_ratios(runs: list[dict[str, Any]], other: str) -> list[dict[str, Any]]:
+    """Every device run at concurrency 1 against the `other` backend's run of the same streaming mode: our RTF /
+    theirs (`rtf_ratio`) and its inverse (`speedup`: how many times faster the device is)."""
+    theirs = {r["stream"]: r for r in runs if r["backend"] == other and r["rtf"]}
+    return [{"bundle": run["bundle"], "precision": run_precision(run), "preset": run.get("preset"),
+             "stream": run["stream"], "rtf_ratio": round(run["rtf"] / ref["rtf"], 4),
+             "speedup": round(ref["rtf"] / run["rtf"], 3) if run["rtf"] else None}
+            for run in runs if run["backend"] == "device" and run["concurrency"] == 1
+            and (ref := theirs.get(run["stream"])) is not None]
+
+
 def cosyvoice_table(report: dict[str, Any]) -> str:
     """CosyVoice bench: one numbered row per run (the chart numbers its bars the same way), then the device /
-    reference RTF ratio per streaming mode when the reference ran."""
+    reference and device / peer (vox-tts) RTF ratios per streaming mode when they ran."""
     def num(value: Any, digits: int = 3) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
@@ -59,11 +70,10 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
                      num(run["peak_rss_mb"], 0), num(run["throughput_audio_s_per_s"])))
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)] if rows else [len(h) for h in header]
     lines = ["  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in (header, *rows)]
-    references = {r["stream"]: r for r in report["runs"] if r["backend"] == "reference"}
-    for run in report["runs"]:
-        ref = references.get(run["stream"])
-        if run["backend"] == "device" and run["concurrency"] == 1 and ref and ref["rtf"]:
-            label = " ".join(filter(None, (run_precision(run), run.get("preset"))))
-            lines.append(f"{backend(run)} {label} / reference RTF, stream {'on' if run['stream'] else 'off'}: "
-                         f"{run['rtf'] / ref['rtf']:.3f}")
+    for other in ("reference", "vox-tts"):
+        for ratio in rtf_ratios(report["runs"], other):
+            label = " ".join(filter(None, (ratio["precision"], ratio["preset"])))
+            lines.append(f"{backend({'backend': 'device', 'bundle': ratio['bundle']})} {label} / {other} RTF, stream "
+                         f"{'on' if ratio['stream'] else 'off'}: {ratio['rtf_ratio']:.3f}"
+                         + (f" = 1/{ratio['speedup']:.2f}" if ratio["speedup"] else ""))
     return "\n".join(lines)

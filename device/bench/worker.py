@@ -61,6 +61,11 @@ class Backend:
         """(segments, waveform chunks); request `index` within the batch seeds its generator."""
         raise NotImplementedError
 
+    def prepare(self, texts: Sequence[str], settings: Settings) -> bool:
+        """Untimed work before a batch (a peer reopens its engine for another pinned length); True when it did
+        some, so the batch's peak-RSS window starts after it."""
+        return False
+
     def warm_up(self) -> None:
         """Run both paths once (lazy ORT initialisation, first allocations) before anything is timed."""
         for stream in (False, True):
@@ -137,9 +142,10 @@ def serve(load: Callable[[], Backend]) -> int:
         if command["cmd"] == "quit":
             break
         try:
-            if command.get("reset_peak"):
-                reset_peak_rss()
             settings = Settings(**command["settings"])
+            # a configuration's peak is the largest of its batches' (the parent keeps the max): a window may restart
+            if backend.prepare(command["texts"], settings) or command.get("reset_peak"):
+                reset_peak_rss()
             send(run_batch(backend, command["texts"], bool(command["stream"]), settings))
         except Exception as exc:  # noqa: BLE001
             send({"error": f"{type(exc).__name__}: {exc}"})

@@ -244,28 +244,13 @@ def test_synth_batch_subtitles_from_the_command_line(home, tmp_path):
     assert "Good to see you." in (tmp_path / "out" / "hello.srt").read_text()
 
 
-_BLOCK_RAY = '''
-import importlib.abc, sys
-class _NoRay(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "ray":
-            raise ImportError("no ray here")
-        return None
-sys.meta_path.insert(0, _NoRay())
-'''
-
-
 @pytest.mark.parametrize("where", ["local", "127.0.0.1:6379"])
-def test_synth_batch_ray_without_ray_names_the_extra(home, tmp_path, where):
+def test_synth_batch_ray_without_ray_names_the_extra(home, tmp_path, where, blocked_imports):
     """cosyedge[ray] is optional: without it `--ray` is one line and exit 2, before any engine loads; and
     `--actors` without `--ray` is refused the same way."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_BLOCK_RAY)
     book = tmp_path / "book.txt"
     book.write_text("One line.\n")
-    env = {**os.environ, "COSYEDGE_HOME": str(home),
-           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = {**blocked_imports(("ray",), "no ray here"), "COSYEDGE_HOME": str(home)}
     for args, message in ((["--ray", where], "pip install 'cosyedge[ray]'"),
                           (["--actors", "2"], "--actors goes with --ray")):
         result = subprocess.run([sys.executable, "-m", "cosyedge.device.cli", "synth-batch", str(book), "--out-dir",
