@@ -32,7 +32,7 @@ from cosyedge.device.bundle import Bundle
 from cosyedge.device.cosyvoice2.alignment import StreamWords, segment_words, token_edges
 from cosyedge.device.cosyvoice2.attention import AttentionPass, SegmentPass
 from cosyedge.device.cosyvoice2.features import FlowMelConfig, extract_prompt
-from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, stretch_mel
+from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, rows_independent, stretch_mel
 from cosyedge.device.cosyvoice2.llm import SpeechLM
 from cosyedge.device.cosyvoice2.parts import FamilyParts, PartsBuilder
 from cosyedge.device.cosyvoice2.presets import Preset, bundle_presets
@@ -90,7 +90,10 @@ class CosyVoicePipeline(Pipeline):
         self._precision = {name: graphs[name].precision for name in STAGES}
         self._sessions = {name: sessions.create(bundle.path(graphs[name].file)) for name in STAGES}
         s = self._sessions
-        self._chunk_gate = ChunkGate()  # concurrent streams' chunk work, first chunks first (decode waits for them)
+        # rows of different requests share a flow call only where the estimator keeps rows apart (not dynamic int8)
+        shared_rows = rows_independent(bundle.path(graphs["flow_estimator"].file))
+        # concurrent streams' chunk work, first chunks first (decode waits for them)
+        self._chunk_gate = ChunkGate(first_batch=4 if shared_rows else 1)
         try:
             self._parts: FamilyParts = parts(cfg, bundle.asset("tokenizer"), (s["hift_source"], s["hift_decoder"]),
                                              manifest.sample_rate)
@@ -102,7 +105,8 @@ class CosyVoicePipeline(Pipeline):
                                           bundle.asset("speech_embedding")) if ALIGN_GRAPH in graphs else None
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS),
                                             before_step=self._chunk_gate.wait_first_chunks)
-            self._flow_rows = sessions.flow_row_limit(FLOW_ROWS)  # TensorRT profiles cap rows and frames (device/trt)
+            # TensorRT profiles cap rows and frames (device/trt)
+            self._flow_rows = sessions.flow_row_limit(FLOW_ROWS) if shared_rows else 1
             noise = np.load(bundle.asset("cfm_noise"))
             noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
             self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg))
@@ -184,8 +188,9 @@ class CosyVoicePipeline(Pipeline):
         rows decoded together (within DECODE_ROWS); the flow batches (FLOW_ROWS) size themselves. Every job's
         segments go to the decode scheduler as one group (one Generator), all groups at once before any job waits,
         so they share a prefill and decode steps; then the segments of all jobs run through the flow in padded
-        batches of similar lengths (each row with its own voice prompt), and through HiFT one by one (its non-causal
-        convolutions would see another row's padding). A job's result is what it gives alone."""
+        batches of similar lengths (each row with its own voice prompt; one by one where the estimator quantizes
+        activations per call, `flow.rows_independent`), and through HiFT one by one (its non-causal convolutions
+        would see another row's padding). A job's result is what it gives alone."""
         return self._render(jobs, batch_max)[0]
 
     def _render(self, jobs: Sequence[tuple[Sequence[Segment], SynthesisOptions]], batch_max: int,

@@ -23,7 +23,9 @@ the first chunks of every stream waiting then with the same preset and the same 
 the others take their mel and only run their own HiFT chunk. Streams that arrive together (their rows decoded in
 the same batch) then wait for one flow call, not one each. Only rows of one length share a call: a right-padded row
 differs from its solo call by float rounding (1e-6 in the mel, amplified by HiFT), an unpadded one does not, so
-every stream's audio is exactly what it gets alone.
+every stream's audio is exactly what it gets alone. That holds only where the estimator keeps rows apart
+(`flow.rows_independent`): the cpu targets' dynamic int8 estimator quantizes a call's activations with one scale,
+so there `first_batch` is 1 and each first chunk has its own call.
 """
 from __future__ import annotations
 

@@ -238,3 +238,24 @@ def test_the_cpu_word_pass_starts_from_the_llms_shared_cache(bundle):
         own = pipeline._segment_pass(segment, inputs, tokens).attention
         assert reused.shape == own.shape == (len(tokens), len(segment.ids))
         np.testing.assert_allclose(reused, own, atol=1e-3)
+
+
+def test_cpu_flow_rows_of_different_requests_never_share_a_call(bundle):
+    """The cpu estimator quantizes its activations per call (DynamicQuantizeLinear: one scale for every row), so a
+    row batched with another request's would round differently than alone: on the cpu target jobs rendered in one
+    call give exactly their solo audio (each flow row alone, first chunks too); fp32 and the static QDQ trt-int8
+    graphs keep rows apart and may share calls."""
+    from cosyedge.device.cosyvoice2.flow import rows_independent
+    targets = bundle.manifest.config["targets"]
+    for selection, independent in (("fp32", True), ("cpu", False), ("trt-int8", True)):
+        ref = targets[selection]["graphs"]["flow_estimator"] if selection in targets else \
+            {"component": "flow_estimator", "precision": "fp32"}
+        assert rows_independent(bundle.path(bundle.component(ref["component"], ref["precision"]).file)) is independent
+    engine = _load(bundle, "cpu")
+    assert engine.pipeline._flow_rows == 1 and engine.pipeline._chunk_gate._first_batch == 1
+    request = engine.options(voice=VOICE, sampling="greedy", deterministic=True)
+    jobs = [(engine.segments(text), request) for text in (TEXT, "今天天气很好，我们去公园散步吧。", "请把窗户关上，谢谢你的帮助。")]
+    alone = [engine.pipeline.synthesize_many([job], 8)[0] for job in jobs]
+    together = engine.pipeline.synthesize_many(jobs, 8)
+    for solo, joint in zip(alone, together):
+        assert len(solo) == len(joint) and all(a.size and np.array_equal(a, b) for a, b in zip(solo, joint))
