@@ -95,8 +95,8 @@ class SegmentPass:
                 past, skip = (prefix.key, prefix.value), 0
             else:
                 embeds = np.concatenate([self._lm_input[0], new])[None]
-                _, _, heads, _, dim = next(i.shape for i in session.get_inputs() if i.name == "past_key")
-                empty = np.zeros((self._owner.depth, 1, heads, 0, dim), np.float32)
+                depth, _, heads, _, dim = next(i.shape for i in session.get_inputs() if i.name == "past_key")
+                empty = np.zeros((depth, 1, heads, 0, dim), np.float32)
                 past = (empty, empty)
                 skip = self._lm_input.shape[1] - 1  # the prompt's rows before the one that chose the first token
         else:

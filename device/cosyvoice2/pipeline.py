@@ -88,10 +88,12 @@ class CosyVoicePipeline(Pipeline):
                               "written before the one `llm` graph hold two LLM graphs: re-create it with "
                               "cosyedge quantize")
         self._precision = {name: graphs[name].precision for name in STAGES}
+        # rows of different requests share a flow call only where the estimator keeps rows apart (not dynamic int8);
+        # only an int8 graph can quantize at run time, and its nodes are read before any session holds memory
+        estimator = graphs["flow_estimator"]
+        shared_rows = estimator.precision != "int8" or rows_independent(bundle.path(estimator.file))
         self._sessions = {name: sessions.create(bundle.path(graphs[name].file)) for name in STAGES}
         s = self._sessions
-        # rows of different requests share a flow call only where the estimator keeps rows apart (not dynamic int8)
-        shared_rows = rows_independent(bundle.path(graphs["flow_estimator"].file))
         # concurrent streams' chunk work, first chunks first (decode waits for them)
         self._chunk_gate = ChunkGate(first_batch=4 if shared_rows else 1)
         try:
