@@ -4,7 +4,9 @@ stream and layer norms in fp32, and `cosyedge synth` speaking with every target 
 
 The golden tiny release has chaotic random weights (as the v2 one): its int8 HiFT misses the HiFT gate and its
 trt-int8 (QDQ) LLM misses the LLM gate, so the fixture builds with `--allow-fallback` and the manifest records both;
-the cpu int8 LLM and int8 DiT pass (the runtime runs them); fp16 passes every gate."""
+the cpu int8 LLM passes; the cpu dynamic int8 DiT passes the flow gate but its end-to-end MCD misses (2.10 dB > 2),
+so the cpu flow falls back to fp32 (test_cv3_quantized_load.py runs the int8 DiT on default-init weights); fp16
+passes every gate."""
 from __future__ import annotations
 
 import json
@@ -72,11 +74,17 @@ def test_manifest_lists_each_target_with_its_gate_reports(bundle: Bundle) -> Non
             assert all(set(a["metrics"]) >= {k.rsplit("_", 1)[0] for k in THRESHOLDS[stage]}
                        for a in report["attempts"]), (target, stage)
     assert targets["gpu-fp16"]["stages"] == {"llm": "fp16", "flow": "fp16", "hift": "fp16"}   # no fallback
-    assert targets["cpu"]["stages"]["llm"] == targets["cpu"]["stages"]["flow"] == "int8"
-    assert targets["cpu"]["llm_int8"] == "matmul_nbits" and manifest.quality["cpu"]["e2e"]["attempts"][-1]["passed"]
-    estimator = onnx.load(str(bundle.path(bundle.component("flow_estimator", targets["cpu"]["graphs"]["flow_estimator"]
-                                                            ["precision"]).file)))
-    assert _op_types(estimator.graph) >= {"MultiHeadAttention"}, "the cpu DiT's attention is not fused"
+    assert targets["cpu"]["stages"]["llm"] == "int8"
+    assert targets["cpu"]["llm_int8"] == "matmul_nbits"
+    # the dynamic int8 DiT passes the flow gate, but these chaotic weights turn its error into an end-to-end MCD
+    # past the gate: the cpu flow falls back and says why (test_cv3_quantized_load.py runs the int8 DiT)
+    flow, e2e = manifest.quality["cpu"]["flow"], manifest.quality["cpu"]["e2e"]
+    assert flow["attempts"][0]["passed"] and flow["fallback_reason"] == "end-to-end gate"
+    assert [a["passed"] for a in e2e["attempts"]] == [False, False] and e2e["precision"] == "flow fp32, hift fp32"
+    assert targets["cpu"]["stages"]["flow"] == "fp32"
+    trt_dit = targets["trt-int8"]["graphs"]["flow_estimator"]
+    estimator = onnx.load(str(bundle.path(bundle.component(trt_dit["component"], trt_dit["precision"]).file)))
+    assert {"QuantizeLinear", "DequantizeLinear"} <= _op_types(estimator.graph)   # trt-int8 keeps static QDQ
     # the one QDQ int8 LLM graph (one activation range over prefill and decode calls) passes its gate on tiny
     assert manifest.quality["trt-int8"]["llm"]["attempts"][0]["passed"]
     assert targets["trt-int8"]["stages"]["llm"] == "int8"

@@ -3,8 +3,9 @@ the rewritten graph equals the exported (stacked-cache) graph it replaces within
 runtime's own calls, for a batch of prompts of different lengths, decode steps past a buffer growth, and rows
 joining and leaving; each decode step writes into the same buffers (nothing copied).
 
-The release is random_init's `cosyvoice2-tiny` preset (golden tiny sizes, head size 16: the smallest ONNX
-Runtime's GroupQueryAttention kernel runs; the golden tiny release's 8 keeps the stacked graph, checked here too).
+The releases are random_init's `cosyvoice2-tiny` and `cosyvoice3-tiny` presets (golden tiny sizes, head size 16:
+the smallest ONNX Runtime's GroupQueryAttention kernel runs; the golden tiny release's 8 keeps the stacked graph,
+checked here too): the cpu targets of both families take the shared cache.
 """
 from __future__ import annotations
 
@@ -20,15 +21,26 @@ from cosyedge.device.cosyvoice2.kvcache import LLMCalls, SharedCache, StackedCac
 from cosyedge.quantize.cosyvoice2.bundle import write_bundle
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
 from cosyedge.quantize.cosyvoice2.random_init import write_random_release
+from cosyedge.quantize.cosyvoice3.bundle import write_bundle as write_bundle3
+from cosyedge.quantize.cosyvoice3.random_init import write_random_release as write_random_release3
 
 TOLERANCE = 1e-4        # relative to the logits' magnitude (~20): measured <= 6e-6 absolute
 
 
-@pytest.fixture(scope="module")
-def graphs(golden_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("sharedkv")
-    release = write_random_release("cosyvoice2-tiny", golden_dir / "cosyvoice2-tiny", root / "release", seed=1)
-    bundle = Bundle.load(write_bundle(release, root / "bundle"))
+FAMILIES = {"cosyvoice2": (write_random_release, write_bundle), "cosyvoice3": (write_random_release3, write_bundle3)}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def graphs(request: pytest.FixtureRequest, golden_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[Path, Path]:
+    """The stacked fp32 LLM of the family's `<family>-tiny` random release and its shared-cache rewrite (the v3
+    LLM is the same Qwen2 graph with another speech vocabulary and stop set)."""
+    family = request.param
+    write_release, write = FAMILIES[family]
+    root = tmp_path_factory.mktemp(f"sharedkv-{family}")
+    release = write_release(f"{family}-tiny", golden_dir / f"{family}-tiny", root / "release", seed=1)
+    bundle = Bundle.load(write(release, root / "bundle"))
+    assert bundle.manifest.family == family
     stacked = bundle.path(bundle.component("llm", "fp32").file)
     shared_kv_llm(stacked, root / "llm.shared.onnx")
     return stacked, root / "llm.shared.onnx"
