@@ -169,6 +169,21 @@ def _manifest(bundle: Path):
     return manifest
 
 
+def _check_compare_names(bundle: Path, compare: Sequence[tuple[Path, str]]) -> None:
+    """The report names a bundle by its folder, and a run by bundle and precision: two bundles of one folder name,
+    or one pair given twice, would be reported as one (the second silently replacing the first)."""
+    seen: dict[str, Path] = {Path(bundle).name: Path(bundle).resolve()}
+    pairs: set[tuple[Path, str]] = set()
+    for other, precision in compare:
+        path = Path(other).resolve()
+        if (path, precision) in pairs:
+            raise InputError(f"--compare {Path(other).name}:{precision} is given twice")
+        pairs.add((path, precision))
+        if seen.setdefault(Path(other).name, path) != path:
+            raise InputError(f"--compare: two bundles are named {Path(other).name!r} and the report names bundles by "
+                             "folder; give one another name (a symbolic link will do)")
+
+
 def _precisions(bundle: Path, precisions: Sequence[str]) -> list[str]:
     """The requested precisions (or quantize targets) this CosyVoice bundle has, in the order asked."""
     manifest = _manifest(bundle)
@@ -218,6 +233,7 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
         raise InputError("texts, concurrency >= 1, rounds >= 1 and sampling greedy|default are required")
     if peer is not None:
         check_peer(_manifest(bundle).family, reference, streams, concurrency)
+    _check_compare_names(bundle, compare)
     settings = Settings(tokens, sampling, words=words)
     python = sys.executable
     devices = [(f"device-{p}", bundle, p) for p in chosen]

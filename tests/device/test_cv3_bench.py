@@ -69,3 +69,18 @@ def test_reference_speaks_like_the_runtime(cv3_tiny_bundle: Path, golden_dir: Pa
     chunks = list(engine.stream(text, sampling="greedy", deterministic=True))
     assert [c.size for c in streamed] == [c.size for c in chunks] and len(chunks) > 1
     np.testing.assert_allclose(np.concatenate(streamed), np.concatenate(chunks), atol=2e-4)
+
+
+def test_compared_bundles_of_one_folder_name_are_refused(cv3_tiny_bundle: Path, cv2_tiny_bundle: Path,
+                                                          tmp_path: Path, capsys) -> None:
+    """The report names bundles by folder: two of one name (or one pair twice) would be reported as one, the second
+    silently replacing the first. One line, exit 2, before any worker starts."""
+    assert cv3_tiny_bundle.name == "tiny"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "tiny").symlink_to(cv2_tiny_bundle)
+    common = ["bench", "--bundle", str(cv3_tiny_bundle), "--precisions", "fp32", "--concurrency", "1", "--tokens", "30"]
+    for compare, says in (([f"{tmp_path / 'a' / 'tiny'}:fp32"], "two bundles are named 'tiny'"),
+                          ([f"{cv3_tiny_bundle}:fp32"] * 2, "is given twice")):
+        assert main([*common, *[a for c in compare for a in ("--compare", c)]]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1 and str(tmp_path) not in err, err
