@@ -44,7 +44,8 @@ MIN_PROMPT_SECONDS = 3.0   # the global registration limits (voice_store) are 1-
 def vocoder(config: dict[str, Any], hift: tuple[Any, Any], sample_rate: int) -> Vocoder3:
     """The causal HiFT part from the manifest config and the (`hift_source`, `hift_decoder`) sessions."""
     return Vocoder3(hift[0], hift[1], SineNoise(config["hift_noise"], sample_rate), int(config["hift_upsample"]),
-                    int(config["hift_f0_lookahead"]), int(config["hift_conv_pre_lookahead"]))
+                    int(config["hift_f0_lookahead"]), int(config["hift_conv_pre_lookahead"]),
+                    int(config["hift_history_frames"]) if "hift_history_frames" in config else None)
 
 
 def token_filter(config: dict[str, Any]) -> partial[SilentFilter]:

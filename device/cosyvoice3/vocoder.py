@@ -10,9 +10,11 @@ first row the build host stored. rand_ini is a constant inside `hift_source`.
 Streaming (official CosyVoice3Model.tts, rules in the golden vectors' README): the chunk schedule and the stream loop
 are the shared ones (`cosyvoice2.streaming.stream_tokens`: hop 25 + prompt pad, then 50, 100, ...; 3 look-ahead
 tokens, counted over the tokens that pass the silent filter); `RerunStream` appends each chunk's new mel to the
-request's accumulated mel, re-runs HiFT on ALL of it (finalize=False except for the last chunk) and yields only the
+request's accumulated mel, re-runs HiFT on it (finalize=False except for the last chunk) and yields only the
 samples after those already emitted. No cross-fade, no source cache: causality and the fixed noise make every
-re-run reproduce the prefix.
+re-run reproduce the prefix. The source re-runs on all of it; the decoder (nearly all of HiFT's cost) only from
+`hift_history_frames` before the first unsent sample (the decoder reaches no further back: measured when the bundle
+is built), so a stream's HiFT work grows with its length, not with its square; the samples are the same.
 """
 from __future__ import annotations
 
@@ -68,31 +70,39 @@ class SineNoise:
 
 
 class Vocoder3:
-    """`hift_source` then `hift_decoder`, finalize on (whole mel) or off (streaming: the look-ahead trimmed)."""
+    """`hift_source` then `hift_decoder`, finalize on (whole mel) or off (streaming: the look-ahead trimmed).
+    `history_frames` (the manifest's `hift_history_frames`; None for bundles without it): how far back the
+    decoder reaches, which bounds a stream's decoder re-runs (`RerunStream`)."""
 
     def __init__(self, source: ort.InferenceSession, decoder: ort.InferenceSession, noise: SineNoise,
-                 samples_per_frame: int, f0_lookahead: int, conv_pre_lookahead: int) -> None:
+                 samples_per_frame: int, f0_lookahead: int, conv_pre_lookahead: int,
+                 history_frames: int | None = None) -> None:
         self._source = source
         self._decoder = decoder
         self._noise = noise
         self.samples_per_frame = samples_per_frame
         self._f0_lookahead = f0_lookahead
         self._conv_pre_lookahead = conv_pre_lookahead
+        self._history_frames = history_frames
 
-    def run(self, mel: np.ndarray, finalize: bool) -> np.ndarray:
-        """[1, M, T] mel -> float32 waveform [T * U] (finalize) or [(T - f0_la - conv_la - 1) * U]."""
+    def run(self, mel: np.ndarray, finalize: bool, start: int = 0) -> np.ndarray:
+        """[1, M, T] mel -> float32 waveform [T * U] (finalize) or [(T - f0_la - conv_la - 1) * U], from sample
+        `start` * U on: the source runs on every frame (its phase accumulates from the first sample), the decoder
+        from mel frame `start` (what it gives before `start` + history_frames is not the whole run's)."""
         u = self.samples_per_frame
         mel = np.ascontiguousarray(mel, np.float32)
         frames = mel.shape[2]
         source, _f0 = self._source.run(None, {"mel": mel, "sine_noise": self._noise.rows(frames * u)})
         if not finalize:
             frames -= self._f0_lookahead
-            if frames <= 0:
-                return np.zeros(0, np.float32)
-            mel, source = np.ascontiguousarray(mel[:, :, :frames]), np.ascontiguousarray(source[:, :, :frames * u])
+        if frames - start <= 0:
+            return np.zeros(0, np.float32)
+        if start or not finalize:
+            mel = np.ascontiguousarray(mel[:, :, start:frames])
+            source = np.ascontiguousarray(source[:, :, start * u:frames * u])
         (speech,) = self._decoder.run(None, {"mel": mel, "source": source})
         if not finalize:
-            return speech[0, :max(frames - self._conv_pre_lookahead - 1, 0) * u]
+            return speech[0, :max(frames - start - self._conv_pre_lookahead - 1, 0) * u]
         return speech[0]
 
     def render(self, mel: np.ndarray, noise: np.random.Generator | None) -> np.ndarray:
@@ -101,26 +111,36 @@ class Vocoder3:
         return self.run(mel, finalize=True)
 
     def stream(self, noise: np.random.Generator | None) -> "RerunStream":
-        return RerunStream(self)
+        return RerunStream(self, self.samples_per_frame, self._history_frames)
 
 
 class CausalHift(Protocol):
     """What a v3 stream calls (the runtime's `Vocoder3`, or the bench's torch reference)."""
 
-    def run(self, mel: np.ndarray, finalize: bool) -> np.ndarray: ...
+    def run(self, mel: np.ndarray, finalize: bool, start: int = 0) -> np.ndarray: ...
 
 
 class RerunStream:
-    """The accumulated mel and emitted sample count of ONE streaming request (never shared)."""
+    """The accumulated mel and emitted sample count of ONE streaming request (never shared). With
+    `history_frames`, each re-run's decoder starts that many frames before the first sample not yet sent (the
+    samples it sends equal a re-run from frame 0: nothing reaches further back), so a chunk costs its own frames
+    plus the history, not the whole utterance so far; None: the official re-run from frame 0."""
 
-    def __init__(self, vocoder: CausalHift) -> None:
+    def __init__(self, vocoder: CausalHift, samples_per_frame: int, history_frames: int | None = None) -> None:
         self._vocoder = vocoder
+        self._samples_per_frame = samples_per_frame
+        self._history_frames = history_frames
         self._mel: np.ndarray | None = None
         self._emitted = 0
 
     def chunk(self, mel: np.ndarray, final: bool) -> np.ndarray:
-        """HiFT re-run on all the mel so far (finalize on the last chunk); the samples not yet emitted."""
+        """HiFT re-run on the mel so far (finalize on the last chunk); the samples not yet emitted."""
         self._mel = mel if self._mel is None else np.concatenate([self._mel, mel], axis=2)
-        speech = self._vocoder.run(self._mel, finalize=final)
-        out, self._emitted = speech[self._emitted:], max(self._emitted, speech.shape[0])
+        start = 0
+        if self._history_frames is not None:
+            start = max(0, self._emitted // self._samples_per_frame - self._history_frames)
+        speech = self._vocoder.run(self._mel, final, start)
+        first = start * self._samples_per_frame
+        out = speech[self._emitted - first:]
+        self._emitted = max(self._emitted, first + speech.shape[0])
         return out

@@ -125,6 +125,7 @@ def write_bundle(model_dir: Path | str, out: Path | str, targets: Sequence[str] 
                   "mel": _mel_config(release.hparams, YAML_NAME), "hift_upsample": hift.cfg.samples_per_frame,
                   "hift_f0_lookahead": hift.f0_predictor.lookahead,
                   "hift_conv_pre_lookahead": hift.cfg.conv_pre_look_right,
+                  "hift_history_frames": HX.decoder_history_frames(hift),
                   "hift_noise": noise_recipe, "stream": {**STREAM, "lookahead": fc.pre_lookahead_len},
                   "silent_tokens": SILENT_TOKENS, "max_silent_run": MAX_SILENT_RUN,
                   "instruct2_saved_speaker_quirk": True,

@@ -26,7 +26,10 @@ finalize=False (streaming: the accumulated mel continues later) needs no other g
 the two look-ahead convolutions is causal: for an accumulated mel of T frames, run `hift_source` on all T frames
 and keep source[..., :(T - f0_lookahead) * U]; run `hift_decoder` on mel[..., :T - f0_lookahead] with that source
 and keep speech[..., :(T - f0_lookahead - conv_pre_lookahead - 1) * U], i.e. (T - 8) * U samples: equal to the
-official `inference(finalize=False)` output (tested), and an exact prefix of any later, longer run.
+official `inference(finalize=False)` output (tested), and an exact prefix of any later, longer run. The decoder
+may start later than frame 0: from frame S on, its speech after frame S + `decoder_history_frames` (written to the
+manifest as `hift_history_frames`) equals the whole run's, since no layer reaches further back; the source must
+still run from frame 0 (its phase accumulates from the first sample).
 
 Metadata (`metadata_props`, both files): samples_per_frame, harmonics, f0_lookahead, conv_pre_lookahead,
 noise_draws_before, sine_noise_max_rows, sample_rate.
@@ -112,6 +115,36 @@ def streaming_lengths(hift: CausalHiFTGenerator, frames: int) -> tuple[int, int,
     mel_frames = frames - hift.f0_predictor.lookahead
     kept = mel_frames - cfg.conv_pre_look_right - 1
     return mel_frames, mel_frames * cfg.samples_per_frame, max(kept, 0) * cfg.samples_per_frame
+
+
+def decoder_history_frames(hift: CausalHiFTGenerator, frames: int = 64, limit: int = 4096) -> int:
+    """How far back the decoder looks, in mel frames: a change to mel frame 0, or to source frame 0, leaves every
+    speech sample from frame `history` on as it was (its layers are causal but for conv_pre's look-ahead, so the
+    reach is finite). A stream may then re-run the decoder from `history` frames before its first unsent sample
+    instead of from the first frame (device/cosyvoice3/vocoder.RerunStream). Measured by perturbation on the
+    module, so it holds for any stage count, kernel and dilation; the window grows until the reach lies well
+    inside it."""
+    graph, u = _DecoderGraph(hift).eval(), hift.cfg.samples_per_frame
+    generator = torch.Generator().manual_seed(0)
+    while frames <= limit:
+        mel = torch.randn(1, hift.cfg.in_channels, frames, generator=generator)
+        source = torch.rand(1, 1, frames * u, generator=generator) * 0.2 - 0.1
+        moved_mel, moved_source = mel.clone(), source.clone()
+        moved_mel[:, :, 0] += 1.0
+        moved_source[:, :, :u] += 0.5
+        with torch.no_grad():
+            base = graph(mel, source)
+            reach = max(_last_change(base, graph(moved_mel, source)), _last_change(base, graph(mel, moved_source)))
+        if reach // u + 1 < frames // 2:
+            return reach // u + 1
+        frames *= 2
+    raise ValueError(f"the HiFT decoder's reach exceeds {limit // 2} frames: it is not causal")
+
+
+def _last_change(base: torch.Tensor, moved: torch.Tensor) -> int:
+    """The last sample where `moved` differs from `base` beyond float round-off (-1: none)."""
+    changed = torch.nonzero((moved - base).abs()[0] > 1e-7 * float(base.abs().max()))
+    return int(changed.max()) if changed.numel() else -1
 
 
 def export_hift(module: CausalHiFTGenerator, out_dir: Path) -> dict[str, Path]:

@@ -44,10 +44,11 @@ class _TorchVocoder3:
     module: CausalHiFTGenerator
     clock: StageClock
 
-    def run(self, mel: np.ndarray, finalize: bool) -> np.ndarray:
+    def run(self, mel: np.ndarray, finalize: bool, start: int = 0) -> np.ndarray:
+        """The official inference on all of `mel`; the samples from frame `start` on."""
         with self.clock.timed("hift"):
             speech, _, _ = self.module.inference(torch.as_tensor(np.ascontiguousarray(mel, np.float32)), finalize)
-        return speech[0].numpy()
+        return speech[0, start * self.module.cfg.samples_per_frame:].numpy()
 
 
 class ReferencePipeline3(ReferencePipeline):
@@ -84,7 +85,8 @@ class ReferencePipeline3(ReferencePipeline):
                 silent = SilentFilter(frozenset(SILENT_TOKENS), MAX_SILENT_RUN)
                 if stream:
                     yield from stream_tokens(tokens, self._inputs.flow, self._flow,  # type: ignore[arg-type]
-                                             RerunStream(self._vocoder), self._stream, silent)
+                                             RerunStream(self._vocoder, self._vocoder.module.cfg.samples_per_frame),
+                                             self._stream, silent)
                     continue
                 generated = np.asarray([t for t in tokens if silent.keep(t)], np.int64)
                 if generated.size:

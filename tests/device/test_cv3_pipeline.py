@@ -148,5 +148,45 @@ def test_streaming_instruct2_llm(pipeline, voice, vectors: Path, meta: dict) -> 
         assert _err("stream_instruct2_3_chunk", chunk, st[f"instruct2_3_chunk{i}_tts_speech"][0]) <= WAVE_ATOL
 
 
+def test_streamed_hift_reruns_the_decoder_over_a_bounded_window(pipeline, cv3_tiny_bundle: Path) -> None:
+    """A long stream's HiFT: the decoder re-runs from `hift_history_frames` before the first unsent sample, not from
+    frame 0, so each call feeds it a chunk plus the history whatever the stream's length; the samples equal the
+    official re-run from frame 0 (here exactly). A shorter history (2 frames) gives other samples: the manifest's
+    measured reach is what makes the window exact."""
+    from cosyedge.device.cosyvoice3.vocoder import RerunStream
+    vocoder = pipeline._vocoder
+    history = Bundle.load(cv3_tiny_bundle).manifest.config["hift_history_frames"]
+    assert history >= 10
+    u = vocoder.samples_per_frame
+    rng = np.random.default_rng(0)
+    chunks = [(rng.standard_normal((1, 80, n)) - 5).astype(np.float32) for n in (56, 100, 200, 200, 200, 37)]
+    decoder = vocoder._decoder
+
+    def stream(history_frames, fed: list[int] | None = None):
+        """The stream's chunks; `fed` receives the mel frames of each decoder call."""
+        class Recorded:
+            def run(self, names, feeds):
+                fed.append(feeds["mel"].shape[2])
+                return decoder.run(names, feeds)
+
+        rerun = RerunStream(vocoder, u, history_frames)
+        vocoder._decoder = Recorded() if fed is not None else decoder
+        try:
+            return [rerun.chunk(mel, final=i == len(chunks) - 1) for i, mel in enumerate(chunks)]
+        finally:
+            vocoder._decoder = decoder
+
+    official_fed, fed = [], []
+    official, bounded = stream(None, official_fed), stream(history, fed)
+    assert [c.shape for c in bounded] == [c.shape for c in official] and sum(c.size for c in official) == 793 * u
+    for got, want in zip(bounded, official):
+        np.testing.assert_array_equal(got, want)
+    assert official_fed[-1] == 793                  # the official re-run: the whole utterance so far, each time
+    # bounded: each call its own new frames (200 at most here), the history and the look-ahead still to voice
+    assert max(fed) <= 200 + history + 8 and sum(fed) < sum(official_fed) / 2, (fed, official_fed)
+    short = stream(2)
+    assert not all(np.array_equal(a, b) for a, b in zip(short, official))
+
+
 def test_report() -> None:
     print("\ncosyvoice3 runtime parity (max abs):", json.dumps(MEASURED, indent=1))

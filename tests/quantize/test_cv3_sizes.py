@@ -155,3 +155,6 @@ def test_hift_stages_kernels_and_dilations_of_other_lengths(cv3_tiny_dir: Path, 
                                                   "source": source[:, :, :kept_source]})
             got = got[:, :kept_speech]
         assert got.shape == tuple(want.shape) and np.abs(got - want.numpy()).max() <= ATOL, finalize
+    # the decoder's reach (a stream's bounded HiFT re-run) is measured on these stages, not the tiny release's value
+    tiny = load_models(cv3_tiny_dir).hift
+    assert HX.decoder_history_frames(models.hift) != HX.decoder_history_frames(tiny)
