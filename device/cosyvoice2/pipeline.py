@@ -94,8 +94,9 @@ class CosyVoicePipeline(Pipeline):
         shared_rows = estimator.precision != "int8" or rows_independent(bundle.path(estimator.file))
         self._sessions = {name: sessions.create(bundle.path(graphs[name].file)) for name in STAGES}
         s = self._sessions
-        # concurrent streams' chunk work, first chunks first (decode waits for them)
-        self._chunk_gate = ChunkGate(first_batch=4 if shared_rows else 1)
+        # concurrent streams' chunk work, first chunks first (decode waits for them; on a CPU for every chunk)
+        self._chunk_gate = ChunkGate(first_batch=4 if shared_rows else 1,
+                                     decode_yields_always=sessions.available()[:1] == ["cpu"])
         try:
             self._parts: FamilyParts = parts(cfg, bundle.asset("tokenizer"), (s["hift_source"], s["hift_decoder"]),
                                              manifest.sample_rate)
@@ -106,7 +107,7 @@ class CosyVoicePipeline(Pipeline):
             self._aligner = AttentionPass(bundle.path(graphs[ALIGN_GRAPH].file), sessions,
                                           bundle.asset("speech_embedding")) if ALIGN_GRAPH in graphs else None
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS),
-                                            before_step=self._chunk_gate.wait_first_chunks)
+                                            before_step=self._chunk_gate.before_decode_step)
             # TensorRT profiles cap rows and frames (device/trt)
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS) if shared_rows else 1
             noise = np.load(bundle.asset("cfm_noise"))

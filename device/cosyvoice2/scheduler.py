@@ -13,8 +13,8 @@ queue as they are chosen. The worker loop:
   2. prefill the new groups in one left-padded call and choose their first tokens;
   3. when rows joined or left, rebuild the batch cache once (`SpeechLM.merge_caches`);
   4. one decode step for all rows, then each row chooses its next token with its own sampler state.
-Before a step the loop waits while any stream's first chunk is in the flow or HiFT (`before_step`, the pipeline's
-`ChunkGate.wait_first_chunks`): on a CPU the first chunk then has the cores to itself.
+Before a step the loop waits while chunk work it yields to is in the flow or HiFT (`before_step`, the pipeline's
+`ChunkGate.before_decode_step`: a first chunk's, and on a CPU any chunk's), which then has the cores to itself.
 
 Independence from the batch: a group's rows always start together and draw from the group's Generator in row
 order at each step, exactly as `SpeechLM.batch_tokens` does for that group alone; other groups never touch it.
@@ -111,7 +111,7 @@ class DecodeScheduler:
     """The shared decode loop of one `SpeechLM`; its worker thread starts on the first submission."""
 
     def __init__(self, lm: SpeechLM, max_rows: int = 16, before_step: Callable[[], None] = lambda: None) -> None:
-        """`before_step` may block the loop before each step (the pipeline's `ChunkGate.wait_first_chunks`)."""
+        """`before_step` may block the loop before each step (the pipeline's `ChunkGate.before_decode_step`)."""
         self._lm = lm
         self.max_rows = max_rows
         self._before_step = before_step

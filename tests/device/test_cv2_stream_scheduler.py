@@ -2,6 +2,7 @@
 (device/cosyvoice2/scheduler.py, streaming.py) on the tiny CosyVoice2 bundle. Orders and counts, never times."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -72,6 +73,54 @@ def test_decoding_waits_while_a_first_chunk_is_in_the_flow(engine: Engine, monke
     assert len(chunks) >= 3 and len(seen) == 1
     assert seen[0] <= 1, f"{seen[0]} decode steps ran during the first chunk's flow"
     assert decoder.stats()["decode_steps"] - start >= 199
+
+
+def test_on_a_cpu_decoding_waits_while_any_chunk_is_in_the_flow(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+    """On the CPU provider decode steps and chunk work take turns (oversubscribed cores slowed both ~2x): no decode
+    step starts while a later chunk's flow runs either (held 0.3 s each), and the stream still gets every token."""
+    flow, decoder = engine.pipeline._flow, engine.pipeline._decoder
+    real_mel, seen = flow.mel, []
+
+    def held_mel(*args):
+        before = decoder.stats()["decode_steps"]
+        threading.Event().wait(0.3)
+        mel = real_mel(*args)
+        seen.append(decoder.stats()["decode_steps"] - before)
+        return mel
+
+    monkeypatch.setattr(flow, "mel", held_mel)
+    options = pinned(engine.options(voice=VOICE, seed=3, sampling="greedy"), 200)
+    start = decoder.stats()["decode_steps"]
+    chunks = list(engine.pipeline.stream(engine.segments(TEXT)[0], options))
+    assert len(chunks) >= 3 and len(seen) == len(chunks) - 1     # every chunk but the first (`mels`)
+    assert max(seen[:-1]) <= 1, f"decode steps during later chunks' flow: {seen}"   # the last: decoding is over
+    assert decoder.stats()["decode_steps"] - start >= 199
+
+
+def test_off_a_cpu_only_first_chunks_hold_the_decoder() -> None:
+    """The gate's policy itself: a later chunk's turn holds the decode loop only where the decoder yields always,
+    and not while another stream still waits for the tokens of its first chunk."""
+    for always, newcomer, holds in ((False, False, False), (True, False, True), (True, True, False)):
+        gate, entered, leave, waited = ChunkGate(decode_yields_always=always), threading.Event(), threading.Event(), []
+
+        def later_chunk():
+            with gate.turn(1, 0.0):
+                entered.set()
+                leave.wait(5)
+
+        with contextlib.ExitStack() as stack:
+            if newcomer:
+                stack.enter_context(gate.awaiting_first())
+            worker = threading.Thread(target=later_chunk)
+            worker.start()
+            entered.wait(5)
+            decode = threading.Thread(target=lambda: (gate.before_decode_step(), waited.append(leave.is_set())))
+            decode.start()
+            decode.join(0.3)
+            leave.set()
+            worker.join(5)
+            decode.join(5)
+        assert waited == [holds], (always, newcomer)   # True: the step began only after the chunk's turn ended
 
 
 def test_batch_max_bounds_the_rows_decoded_together(engine: Engine):
