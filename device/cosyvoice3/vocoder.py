@@ -27,6 +27,9 @@ import onnxruntime as ort
 from cosyedge.device.errors import BundleError, InputError
 
 GROW_SECONDS = 60  # the noise grows a minute at a time
+# Mel frames the decoder renders per call in whole (non-streamed) synthesis where the bundle gives the decoder's
+# reach: a full-size 500-frame call raised the peak RSS by 300 MB; windows bound it whatever the length.
+RENDER_WINDOW = 150
 
 
 class SineNoise:
@@ -107,8 +110,25 @@ class Vocoder3:
 
     def render(self, mel: np.ndarray, noise: np.random.Generator | None) -> np.ndarray:
         """Non-streaming. `noise` is not drawn from: the v3 NSF noise is the release's fixed tensor, so the
-        output is the same whatever the request's seed or `deterministic`."""
-        return self.run(mel, finalize=True)
+        output is the same whatever the request's seed or `deterministic`. With `history_frames`, the decoder
+        renders RENDER_WINDOW frames per call, each call started `history_frames` earlier and running past the
+        window's end by conv_pre's look-ahead (+1, as a stream's trimming): the samples equal one call over the
+        whole mel, and the decoder's activations stay bounded."""
+        frames = mel.shape[2]
+        if self._history_frames is None or frames <= RENDER_WINDOW:
+            return self.run(mel, finalize=True)
+        u = self.samples_per_frame
+        mel = np.ascontiguousarray(mel, np.float32)
+        source, _f0 = self._source.run(None, {"mel": mel, "sine_noise": self._noise.rows(frames * u)})
+        pieces = []
+        for begin in range(0, frames, RENDER_WINDOW):
+            end = min(begin + RENDER_WINDOW, frames)
+            start = max(0, begin - self._history_frames)
+            stop = frames if end == frames else min(frames, end + self._conv_pre_lookahead + 1)
+            (speech,) = self._decoder.run(None, {"mel": np.ascontiguousarray(mel[:, :, start:stop]),
+                                                 "source": np.ascontiguousarray(source[:, :, start * u:stop * u])})
+            pieces.append(speech[0, (begin - start) * u:(end - start) * u])
+        return np.concatenate(pieces)
 
     def stream(self, noise: np.random.Generator | None) -> "RerunStream":
         return RerunStream(self, self.samples_per_frame, self._history_frames)

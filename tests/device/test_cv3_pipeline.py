@@ -188,5 +188,34 @@ def test_streamed_hift_reruns_the_decoder_over_a_bounded_window(pipeline, cv3_ti
     assert not all(np.array_equal(a, b) for a, b in zip(short, official))
 
 
+def test_whole_hift_renders_in_bounded_windows(pipeline) -> None:
+    """Non-streamed HiFT of a long mel: the decoder renders RENDER_WINDOW frames per call (plus the history before
+    and the look-ahead after), and the samples equal one call over the whole mel (here exactly); with a 2-frame
+    history they would not."""
+    from cosyedge.device.cosyvoice3.vocoder import RENDER_WINDOW
+    vocoder, decoder, fed = pipeline._vocoder, pipeline._vocoder._decoder, []
+    mel = (np.random.default_rng(1).standard_normal((1, 80, 2 * RENDER_WINDOW + 93)) - 5).astype(np.float32)
+
+    class Recorded:
+        def run(self, names, feeds):
+            fed.append(feeds["mel"].shape[2])
+            return decoder.run(names, feeds)
+
+    whole = vocoder.run(mel, finalize=True)
+    vocoder._decoder = Recorded()
+    try:
+        windowed = vocoder.render(mel, None)
+    finally:
+        vocoder._decoder = decoder
+    np.testing.assert_array_equal(windowed, whole)
+    history = vocoder._history_frames
+    assert len(fed) == 3 and max(fed) <= RENDER_WINDOW + history + vocoder._conv_pre_lookahead + 1, fed
+    vocoder._history_frames = 2
+    try:
+        assert not np.array_equal(vocoder.render(mel, None), whole)
+    finally:
+        vocoder._history_frames = history
+
+
 def test_report() -> None:
     print("\ncosyvoice3 runtime parity (max abs):", json.dumps(MEASURED, indent=1))
