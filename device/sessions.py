@@ -49,6 +49,10 @@ class SessionConfig:
     arena: str = "shrink"
     shrink_graphs: tuple[tuple[str, int], ...] = (("flow_encoder", 0), ("flow_estimator", 0), ("hift_source", 0),
                                                   ("hift_decoder", 0), ("vits", VITS_SHRINK_ABOVE))
+    # CosyVoice2 streaming: the flow's per-voice prompt states kept at most (MB; 0: none kept, each streaming call
+    # computes its voice's state again). cosyvoice2/prompt_cache.py: a 3.5 s prompt is 26 MB for `fastest`, 172 MB
+    # for `official` at CosyVoice2-0.5B sizes.
+    prompt_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.providers if p not in PROVIDER_NAMES]
@@ -56,12 +60,15 @@ class SessionConfig:
             raise ProviderError(f"unknown execution provider(s) {unknown}; choose from {', '.join(PROVIDER_NAMES)}")
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             raise ProviderError("thread counts must be >= 0")
+        if self.prompt_cache_mb < 0:
+            raise ProviderError("the prompt cache size must be >= 0 MB")
         if self.arena not in ARENA_POLICIES:
             raise ProviderError(f"arena policy must be one of {', '.join(ARENA_POLICIES)}")
 
     @classmethod
     def from_env(cls) -> "SessionConfig":
-        """`COSYEDGE_PROVIDERS=cuda,cpu`, `COSYEDGE_THREADS=2`, `COSYEDGE_TRT_CACHE=/var/lib/cosyedge/trt`."""
+        """`COSYEDGE_PROVIDERS=cuda,cpu`, `COSYEDGE_THREADS=2`, `COSYEDGE_TRT_CACHE=/var/lib/cosyedge/trt`,
+        `COSYEDGE_ARENA=keep`, `COSYEDGE_PROMPT_CACHE_MB=64`."""
         providers = tuple(p.strip() for p in os.environ.get("COSYEDGE_PROVIDERS", "tensorrt,cuda,cpu").split(",") if p.strip())
         cache = os.environ.get("COSYEDGE_TRT_CACHE")
         trt = None
@@ -75,8 +82,13 @@ class SessionConfig:
         arena = os.environ.get("COSYEDGE_ARENA", "shrink").strip()
         if arena not in ARENA_POLICIES:
             raise ProviderError(f"COSYEDGE_ARENA must be one of {', '.join(ARENA_POLICIES)}, not {arena[:20]!r}")
+        prompt_cache = os.environ.get("COSYEDGE_PROMPT_CACHE_MB", "256").strip()
+        if not (prompt_cache.isascii() and prompt_cache.isdecimal() and len(prompt_cache) <= 6):
+            raise ProviderError(f"COSYEDGE_PROMPT_CACHE_MB must be a whole number of MB (0 = none), "
+                                f"not {prompt_cache[:20]!r}")
         return cls(providers=providers, intra_op_threads=int(threads),
-                   trt_cache_dir=Path(cache) if cache else None, trt=trt, arena=arena)
+                   trt_cache_dir=Path(cache) if cache else None, trt=trt, arena=arena,
+                   prompt_cache_mb=int(prompt_cache))
 
     def threads(self) -> int:
         """The intra-op threads a session gets: the configured count, or ORT's default of one per core (counted
@@ -133,12 +145,19 @@ class SessionConfig:
         return chosen
 
 
+# Graphs with optional inputs by design (ONNX overridable initializers: CosyVoice2's flow estimator takes a prompt
+# state only when a streaming call has one, quantize/cosyvoice2/flow_export.py).
+OVERRIDABLE_INPUT_GRAPHS = frozenset({"flow_estimator"})
+
+
 def create_session(path: Path, config: SessionConfig) -> ort.InferenceSession:
     """One InferenceSession for one graph; created once per engine and reused by every request."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = config.intra_op_threads
     options.inter_op_num_threads = config.inter_op_threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if Path(path).name.split(".")[0] in OVERRIDABLE_INPUT_GRAPHS:
+        options.log_severity_level = 3  # errors only: ORT warns on every load that those inputs are initializers
     providers = config.resolved_providers(path)
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers,

@@ -7,6 +7,7 @@ semantics, align_corners=False), as the official non-streaming path does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,6 +17,7 @@ import onnx
 import onnxruntime as ort
 
 from cosyedge.device.cosyvoice2.presets import OFFICIAL, Preset
+from cosyedge.device.cosyvoice2.prompt_cache import PromptCache, PromptState, frames_within, prompt_key
 from cosyedge.device.errors import InputError
 
 
@@ -59,15 +61,35 @@ def rows_independent(path: Path) -> bool:
     return not any(node.op_type == "DynamicQuantizeLinear" for node in model.graph.node)
 
 
+def _state_layout(estimator: Any) -> tuple[int, int, int]:
+    """(chunk, bytes per frame-row, conv bytes per row) of the estimator's prompt state; chunk 0: it keeps none
+    (a graph without the state inputs, or one whose attention sees only some chunks back)."""
+    shapes = {i.name: i.shape for i in estimator.get_overridable_initializers()}
+    meta = estimator.get_modelmeta().custom_metadata_map
+    try:
+        layers, _, _, width = shapes["past_hidden"]
+        channels = shapes["past_conv"][1]
+        if int(meta["estimator_left_chunks"]) >= 0:
+            return 0, 0, 0
+        chunk = math.lcm(int(meta["estimator_chunk"]), int(meta["encoder_chunk"]) * int(meta["token_mel_ratio"]))
+        return chunk, 4 * int(layers) * int(width), 4 * 2 * int(channels)
+    except (KeyError, ValueError, TypeError):
+        return 0, 0, 0
+
+
 class Flow:
-    """`flow_encoder` + `flow_estimator` and the fixed CFM noise."""
+    """`flow_encoder` + `flow_estimator` and the fixed CFM noise; with a `prompt_cache`, streaming calls start
+    after the voice's prompt state (prompt_cache.py)."""
 
     def __init__(self, encoder: ort.InferenceSession, estimator: ort.InferenceSession, noise: np.ndarray,
-                 config: FlowConfig) -> None:
+                 config: FlowConfig, prompt_cache: PromptCache | None = None) -> None:
         self._encoder = encoder
         self._estimator = estimator
         self._noise = noise
         self.config = config
+        self._cache = prompt_cache
+        self._state_chunk, self._state_frame_bytes, self._state_conv_bytes = \
+            _state_layout(estimator) if prompt_cache is not None else (0, 0, 0)
 
     @property
     def official(self) -> Preset:
@@ -84,8 +106,10 @@ class Flow:
         """
         mu, spks, cond = self._condition(prompt, tokens[start:], finalize, streaming)
         skip = self.config.token_mel_ratio * start
-        return self.solve(mu, spks, cond, streaming, preset=preset, skip=(prompt.mel.shape[0], skip)
-                          )[:, :, prompt.mel.shape[0]:]
+        past = self.prompt_state(prompt, preset) if streaming and not finalize else None
+        done = past.frames if past else 0
+        return self.solve(mu, spks, cond, streaming, preset=preset, skip=(prompt.mel.shape[0], skip),
+                          past=[past] if past else ())[:, :, prompt.mel.shape[0] - done:]
 
     def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray],
              preset: Preset | None = None, streaming: bool = False) -> list[np.ndarray]:
@@ -102,8 +126,38 @@ class Flow:
                                    for c in conditions])
 
         mask = (np.arange(width)[None, None, :] < np.array(frames)[:, None, None]).astype(np.float32)
-        x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), streaming, mask, preset)
-        return [x[row:row + 1, :, prompt.mel.shape[0]:size] for row, (prompt, size) in enumerate(zip(prompts, frames))]
+        states = [self.prompt_state(prompt, preset) for prompt in prompts] if streaming else []
+        past = states if states and all(states) and len({s.frames for s in states}) == 1 else []  # type: ignore[union-attr]
+        done = past[0].frames if past else 0
+        x = self.solve(stack(0), np.concatenate([c[1] for c in conditions]), stack(2), streaming, mask, preset,
+                       past=past)  # type: ignore[arg-type]
+        return [x[row:row + 1, :, prompt.mel.shape[0] - done:size - done]
+                for row, (prompt, size) in enumerate(zip(prompts, frames))]
+
+    def prompt_state(self, prompt: FlowPrompt, preset: Preset | None) -> PromptState | None:
+        """The estimator state of this voice's prompt prefix under `preset` (prompt_cache.py), from the cache or
+        computed now; None where the graph keeps no state or the prompt has no whole chunk to keep."""
+        if not self._state_chunk or self._cache is None:
+            return None
+        c, preset = self.config, preset or self.official
+        rows = preset.estimator_rows()
+        frames = frames_within(min(prompt.mel.shape[0], c.token_mel_ratio * (prompt.tokens.size - c.pre_lookahead_len)),
+                               self._state_chunk, rows * self._state_frame_bytes,
+                               self._cache.cap_bytes - rows * self._state_conv_bytes)
+        if frames <= 0:
+            return None
+        key = prompt_key(prompt.tokens, prompt.mel, prompt.embedding, (preset.steps, preset.cfg_steps, frames))
+        state = self._cache.get(key)
+        if state is None:
+            tokens = np.asarray(prompt.tokens, np.int64).reshape(1, -1)
+            mu, spks = self._encoder.run(None, {"token": tokens, "embedding": prompt.embedding.reshape(1, -1),
+                                                "finalize": _flag(False), "streaming": _flag(True)})
+            kept: list[tuple[np.ndarray, np.ndarray]] = []
+            self.solve(mu[:, :, :frames], spks, prompt.mel[None, :frames].transpose(0, 2, 1).copy(), True,
+                       preset=preset, keep=(frames, kept))
+            state = PromptState(frames, tuple(kept))
+            self._cache.put(key, state)
+        return state
 
     def _condition(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -125,13 +179,16 @@ class Flow:
 
     def solve(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, streaming: bool,
               mask: np.ndarray | None = None, preset: Preset | None = None,
-              skip: tuple[int, int] = (0, 0)) -> np.ndarray:
+              skip: tuple[int, int] = (0, 0), past: Sequence[PromptState] = (),
+              keep: tuple[int, list[tuple[np.ndarray, np.ndarray]]] | None = None) -> np.ndarray:
         """The official Euler solver with classifier-free guidance, float32 (t accumulated as the official loop).
 
         Rows [B, M, T] may be right-padded (mask [B, 1, T] zero there); every row starts from the same fixed
         noise, as each would alone. A guided step runs the estimator on 2B rows (B conditional, then B
         unconditional); the preset's steps after `cfg_steps` run the B conditional rows alone. `skip` (at, n):
         frames from `at` on take the noise n frames further on (a bounded re-solve left n frames out there).
+        `past` (a prompt state per row, all of F frames): the first F frames are the states', not solved again, and
+        the result starts at frame F. `keep` (n, list): each step's state after the first n frames is appended.
         """
         c = self.config
         preset = preset or self.official
@@ -146,6 +203,10 @@ class Flow:
         if noise.shape[2] < frames:
             raise InputError(f"the utterance needs {frames + gap} mel frames; the flow supports at most "
                              f"{self._noise.shape[2]}: use a shorter text or prompt")
+        done = past[0].frames if past else 0
+        noise, mu, cond, mask = (a[:, :, done:] for a in (noise, mu, cond, mask))
+        outputs = ["velocity", "present_hidden", "present_conv"] if keep else ["velocity"]
+        extra = {"keep": np.array([keep[0]], np.int64)} if keep else {}
         x = np.repeat(noise.astype(np.float32), rows, axis=0)
         zeros = np.zeros_like(mu)
         guided = {"mask": np.concatenate([mask, mask]), "mu": np.concatenate([mu, zeros]),
@@ -154,17 +215,34 @@ class Flow:
         plain = {"mask": mask, "mu": mu, "spks": spks, "cond": cond, "streaming": guided["streaming"]}
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, preset.steps + 1):
+            state = _past_feeds(past, step - 1, step <= preset.cfg_steps) | extra
             if step <= preset.cfg_steps:
-                (v,) = self._estimator.run(None, guided | {"x": np.concatenate([x, x]),
-                                                           "t": np.full(2 * rows, t, np.float32)})
+                v, *kept = self._estimator.run(outputs, guided | state | {"x": np.concatenate([x, x]),
+                                                                          "t": np.full(2 * rows, t, np.float32)})
                 x = x + dt * ((1 + rate) * v[:rows] - rate * v[rows:])
             else:
-                (v,) = self._estimator.run(None, plain | {"x": x, "t": np.full(rows, t, np.float32)})
+                v, *kept = self._estimator.run(outputs, plain | state | {"x": x, "t": np.full(rows, t, np.float32)})
                 x = x + dt * v
+            if keep:
+                keep[1].append((kept[0], kept[1]))
             t = t + dt
             if step < preset.steps:
                 dt = t_span[step + 1] - t
         return x.astype(np.float32, copy=False)
+
+
+def _past_feeds(past: Sequence[PromptState], step: int, guided: bool) -> dict[str, np.ndarray]:
+    """The estimator's prompt-state inputs of one Euler step for rows with states `past` (none: no inputs). A guided
+    call's rows are every row's conditional one, then every unconditional one, as each state holds them."""
+    if not past:
+        return {}
+    if len(past) == 1:
+        hidden, conv = past[0].steps[step]
+    else:
+        halves = (slice(0, 1), slice(1, 2)) if guided else (slice(0, 1),)
+        hidden = np.concatenate([s.steps[step][0][:, half] for half in halves for s in past], axis=1)
+        conv = np.concatenate([s.steps[step][1][half] for half in halves for s in past], axis=0)
+    return {"past_hidden": hidden, "past_conv": conv}
 
 
 def stretch_mel(mel: np.ndarray, speed: float) -> np.ndarray:

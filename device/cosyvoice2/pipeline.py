@@ -36,6 +36,7 @@ from cosyedge.device.cosyvoice2.flow import Flow, FlowConfig, FlowPrompt, rows_i
 from cosyedge.device.cosyvoice2.llm import SpeechLM
 from cosyedge.device.cosyvoice2.parts import FamilyParts, PartsBuilder
 from cosyedge.device.cosyvoice2.presets import Preset, bundle_presets
+from cosyedge.device.cosyvoice2.prompt_cache import PromptCache
 from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler, Prefix
 from cosyedge.device.cosyvoice2.streaming import ChunkGate, stream_tokens
 from cosyedge.device.cosyvoice2.voices import ModeInputs, Voice
@@ -112,7 +113,8 @@ class CosyVoicePipeline(Pipeline):
             self._flow_rows = sessions.flow_row_limit(FLOW_ROWS) if shared_rows else 1
             noise = np.load(bundle.asset("cfm_noise"))
             noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
-            self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg))
+            self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg),
+                              PromptCache(sessions.prompt_cache_mb << 20))
             self._presets, self._default_preset, self._presets_measured = bundle_presets(cfg)
             self._vocoder = self._parts.vocoder
             self._schedule = self._parts.schedule

@@ -30,7 +30,7 @@ from torch import nn
 
 from cosyedge.quantize.cosyvoice2.flow_config import EstimatorConfig, FlowConfig
 from cosyedge.quantize.cosyvoice2.flow_encoder import UpsampleConformerEncoder
-from cosyedge.quantize.cosyvoice2.flow_estimator import CausalConditionalDecoder
+from cosyedge.quantize.cosyvoice2.flow_estimator import CausalConditionalDecoder, PromptState
 from cosyedge.quantize.cosyvoice2.release import Release, check_state
 
 CHECKPOINT_NAME = "flow.pt"
@@ -83,9 +83,9 @@ class CausalMaskedDiffWithXvec(nn.Module):
         return mu, self.speaker(embedding)
 
     def velocity(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
-                 cond: torch.Tensor, streaming: torch.Tensor) -> torch.Tensor:
-        """The `flow_estimator` graph."""
-        return self.decoder.estimator(x, mask, mu, t, spks, cond, streaming)
+                 cond: torch.Tensor, streaming: torch.Tensor, state: PromptState | None = None) -> torch.Tensor:
+        """The `flow_estimator` graph (with a prompt state: its frames after the state's past; flow_estimator.py)."""
+        return self.decoder.estimator(x, mask, mu, t, spks, cond, streaming, state)
 
     def solve(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, noise: torch.Tensor,
               streaming: torch.Tensor) -> torch.Tensor:

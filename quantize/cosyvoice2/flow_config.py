@@ -121,13 +121,14 @@ class FlowConfig(FlowSizes):
             raise ReleaseError(f"cosyvoice2.yaml: flow entry lacks {exc.args[0]!r}") from None
 
 
-def attention_visible(size: torch.Tensor | int, chunk: int, streaming: torch.Tensor, left_chunks: int = -1
-                      ) -> torch.Tensor:
-    """[size, size] bool, query i x key j. `streaming` (int64 [1]) 1: the official static chunk mask (i sees its
-    own chunk and the `left_chunks` before it, every earlier one when negative); 0: everything."""
-    pos = torch.arange(size)
-    block = torch.div(pos, chunk, rounding_mode="floor").unsqueeze(1)
-    visible = pos.unsqueeze(0) < (block + 1) * chunk
+def attention_visible(size: torch.Tensor | int, chunk: int, streaming: torch.Tensor, left_chunks: int = -1,
+                      past: torch.Tensor | int = 0) -> torch.Tensor:
+    """[size, past + size] bool, query i x key j, the queries being the `size` frames after `past` frames already
+    solved (the estimator's prompt state; 0 elsewhere). `streaming` (int64 [1]) 1: the official static chunk mask
+    (i sees its own chunk and the `left_chunks` before it, every earlier one when negative); 0: everything."""
+    keys = torch.arange(past + size)
+    block = torch.div(torch.arange(size) + past, chunk, rounding_mode="floor").unsqueeze(1)
+    visible = keys.unsqueeze(0) < (block + 1) * chunk
     if left_chunks >= 0:
-        visible = visible & (pos.unsqueeze(0) >= torch.clamp(block - left_chunks, min=0) * chunk)
+        visible = visible & (keys.unsqueeze(0) >= torch.clamp(block - left_chunks, min=0) * chunk)
     return visible | (streaming == 0)

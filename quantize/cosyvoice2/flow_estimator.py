@@ -5,6 +5,13 @@ by diffusers-style transformer blocks; key names are the official ones under `de
 are causal and attention is chunk-causal when streaming (`static_chunk_size` frames, `num_decoding_left_chunks`
 chunks back), so the mel of earlier streaming chunks does not change when later tokens arrive. Hidden positions
 get a large finite additive bias (the official mask_to_bias), not -inf, so padded rows stay finite.
+
+The prompt state (`PromptState`): because a streaming call's first whole chunks never see later frames, what the
+network computes there is the same in every streaming call of a voice, for frames whose encoder output is fixed by
+the prompt alone. A call may therefore start after `past` such frames: each transformer block takes their
+normalised hidden states (its attention's keys and values are projected from them again, the queries are the new
+frames' only) and each causal convolution its last `kernel - 1` input frames, and a call can hand the state of its
+first `keep` frames back. With no past and keep 0 the arithmetic is the plain call's.
 """
 from __future__ import annotations
 
@@ -19,6 +26,42 @@ from cosyedge.quantize.cosyvoice2.flow_config import EstimatorConfig, attention_
 MASKED = -1.0e10            # additive attention bias of a hidden position (official mask_to_bias)
 
 
+class PromptState:
+    """One call's view of the prompt state: the past it reads (`hidden` [L, B, P, D] for the L transformer blocks
+    in call order, `conv` [B, S, kernel - 1] for the causal convolutions in call order, their input channels
+    concatenated) and, for `keep` > 0, the state of its own first `keep` frames, collected in the same order."""
+
+    def __init__(self, hidden: torch.Tensor, conv: torch.Tensor, keep: torch.Tensor) -> None:
+        self.hidden, self.conv, self.keep = hidden, conv, keep
+        self.kept_hidden: list[torch.Tensor] = []
+        self.kept_conv: list[torch.Tensor] = []
+        self._channel = 0
+
+    @property
+    def past(self) -> torch.Tensor:
+        return self.hidden.shape[2]
+
+    def keep_frames(self, h: torch.Tensor) -> torch.Tensor:
+        """h [B, T, D] -> past of the next block: the first `keep` frames of h; the block's own past is returned."""
+        past = self.hidden[len(self.kept_hidden)]
+        self.kept_hidden.append(h.index_select(1, torch.arange(self.keep[0])))
+        return past
+
+    def conv_padded(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """x [B, C, T] -> [B, C, width + T]: this convolution's past frames before x, and the `width` input frames
+        that end at frame `keep` kept for the next call."""
+        cin = x.shape[1]
+        past = self.conv[:, self._channel:self._channel + cin, :width]
+        self._channel += cin
+        padded = torch.cat([past, x], dim=2)
+        self.kept_conv.append(padded.index_select(2, torch.arange(width) + self.keep[0]))
+        return padded
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(present_hidden [L, B, keep, D], present_conv [B, S, kernel - 1])."""
+        return torch.stack(self.kept_hidden), torch.cat(self.kept_conv, dim=1)
+
+
 class Transpose(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
@@ -30,8 +73,9 @@ class CausalConv1d(nn.Conv1d):
     def __init__(self, cin: int, cout: int, kernel: int = 3) -> None:
         super().__init__(cin, cout, kernel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+    def forward(self, x: torch.Tensor, state: PromptState | None = None) -> torch.Tensor:
+        width = self.kernel_size[0] - 1
+        return super().forward(F.pad(x, (width, 0)) if state is None else state.conv_padded(x, width))
 
 
 class CausalBlock1D(nn.Module):
@@ -41,8 +85,11 @@ class CausalBlock1D(nn.Module):
         super().__init__()
         self.block = nn.Sequential(CausalConv1d(cin, cout), Transpose(), nn.LayerNorm(cout), Transpose(), nn.Mish())
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.block(x * mask) * mask
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, state: PromptState | None = None) -> torch.Tensor:
+        h = self.block[0](x * mask, state)
+        for layer in self.block[1:]:
+            h = layer(h)
+        return h * mask
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -53,9 +100,10 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(cout, cout)
         self.res_conv = nn.Conv1d(cin, cout, 1)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x, mask) + self.mlp(t_emb).unsqueeze(-1)
-        return self.block2(h, mask) + self.res_conv(x * mask)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, t_emb: torch.Tensor, state: PromptState | None = None
+                ) -> torch.Tensor:
+        h = self.block1(x, mask, state) + self.mlp(t_emb).unsqueeze(-1)
+        return self.block2(h, mask, state) + self.res_conv(x * mask)
 
 
 class Attention(nn.Module):
@@ -69,10 +117,12 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, heads * head_dim, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim)])
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, past: torch.Tensor | None = None) -> torch.Tensor:
+        """Queries from x [B, T, D]; keys and values from `past` [B, P, D] (frames before x) and x."""
         b = x.shape[0]
-        q, k, v = (proj(x).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
-                   for proj in (self.to_q, self.to_k, self.to_v))
+        context = x if past is None else torch.cat([past, x], dim=1)
+        q, k, v = (proj(source).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
+                   for proj, source in ((self.to_q, x), (self.to_k, context), (self.to_v, context)))
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim)) + bias
         out = torch.matmul(torch.softmax(scores, dim=-1), v)
         return self.to_out[0](out.transpose(1, 2).reshape(b, -1, self.heads * self.head_dim))
@@ -105,8 +155,9 @@ class BasicTransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = TransformerFeedForward(dim)
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn1(self.norm1(x), bias)
+    def forward(self, x: torch.Tensor, bias: torch.Tensor, state: PromptState | None = None) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn1(h, bias, None if state is None else state.keep_frames(h))
         return x + self.ff(self.norm3(x))
 
 
@@ -152,27 +203,38 @@ class CausalConditionalDecoder(nn.Module):
         self.final_block = CausalBlock1D(c.channels, c.channels)
         self.final_proj = nn.Conv1d(c.channels, c.out_channels, 1)
 
+    def layers(self) -> int:
+        """Transformer blocks in one call (the prompt state's L)."""
+        return sum(len(stage[1]) for stage in (*self.down_blocks, *self.mid_blocks, *self.up_blocks))
+
+    def conv_channels(self) -> int:
+        """Input channels of the causal convolutions in one call (the prompt state's S)."""
+        return sum(m.in_channels for m in self.modules() if isinstance(m, CausalConv1d))
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
-                cond: torch.Tensor, streaming: torch.Tensor) -> torch.Tensor:
+                cond: torch.Tensor, streaming: torch.Tensor, state: PromptState | None = None) -> torch.Tensor:
+        """The velocity of x's frames; with a `state`, of the frames after its past ones (mask: x's frames)."""
         c = self.config
         t_emb = self.time_mlp(timestep_sinusoid(t, c.in_channels))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.shape[2]), cond], dim=1)
-        visible = attention_visible(x.shape[2], c.static_chunk_size, streaming, c.num_decoding_left_chunks)
-        bias = (1.0 - (visible.unsqueeze(0) & (mask > 0)).to(x.dtype)) * MASKED    # [B, T, T] over keys
+        past = 0 if state is None else state.past
+        visible = attention_visible(x.shape[2], c.static_chunk_size, streaming, c.num_decoding_left_chunks, past)
+        keys = mask if state is None else torch.cat([torch.ones_like(mask[:, :, :1]).expand(-1, -1, past), mask], 2)
+        bias = (1.0 - (visible.unsqueeze(0) & (keys > 0)).to(x.dtype)) * MASKED    # [B, T, P + T] over keys
 
         def transformers(h: torch.Tensor, blocks: nn.ModuleList) -> torch.Tensor:
             h = h.transpose(1, 2)
             for block in blocks:
-                h = block(h, bias.unsqueeze(1))
+                h = block(h, bias.unsqueeze(1), state)
             return h.transpose(1, 2)
 
         resnet, blocks, conv = self.down_blocks[0]
-        skip = transformers(resnet(h, mask, t_emb), blocks)
-        h = conv(skip * mask)
+        skip = transformers(resnet(h, mask, t_emb, state), blocks)
+        h = conv(skip * mask, state)
         for resnet, blocks in self.mid_blocks:
-            h = transformers(resnet(h, mask, t_emb), blocks)
+            h = transformers(resnet(h, mask, t_emb, state), blocks)
         resnet, blocks, conv = self.up_blocks[0]
-        h = transformers(resnet(torch.cat([h, skip], dim=1), mask, t_emb), blocks)
-        h = conv(h * mask)
-        h = self.final_block(h, mask)
+        h = transformers(resnet(torch.cat([h, skip], dim=1), mask, t_emb, state), blocks)
+        h = conv(h * mask, state)
+        h = self.final_block(h, mask, state)
         return self.final_proj(h * mask) * mask

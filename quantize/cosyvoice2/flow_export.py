@@ -28,7 +28,18 @@ M = mel bins (80). Flags are int64 [1] with value 0 or 1 (one graph covers both 
            spks       float32 [B, M]      speaker vector (zeros in the unconditional row)
            cond       float32 [B, M, T]   prompt mel in the first frames, zeros after (all zeros in the uncond. row)
            streaming  int64   [1]         1: chunk-causal attention with metadata `estimator_chunk` frames; 0: full
+           past_hidden float32 [L, R, P, D] optional (default: none, P = 0): the prompt state's normalised hidden
+                                          states of P frames solved before x, one row per x row (R = B, or 1
+                                          broadcast), for the L transformer blocks (flow_estimator.py)
+           past_conv  float32 [R, S, 2]   optional (default zeros): those frames' last 2 inputs of each causal
+                                          convolution (S: their input channels together)
+           keep       int64   [1]         optional (default 0): frames of x whose state the call returns
   outputs  velocity   float32 [B, M, T]
+           present_hidden float32 [L, B, keep, D], present_conv float32 [B, S, 2]: the state after x's first
+                                          `keep` frames (past frames before them)
+  The optional inputs are graph initializers (ONNX overridable defaults), so a call without them is the plain
+  velocity; CosyVoice3's DiT has none of them. P must be whole `estimator_chunk`s of streaming calls
+  (device/cosyvoice2/prompt_cache.py says when that state is the same in every streaming call of a voice).
 
 Graph metadata (`metadata_props`): pre_lookahead_len, token_mel_ratio, n_timesteps, inference_cfg_rate,
 encoder_chunk, estimator_chunk, estimator_left_chunks, mel_bins, spk_embed_dim.
@@ -43,14 +54,17 @@ The Euler loop for one request, exactly as the official `solve_euler` (float32 t
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import onnx
 import torch
 from torch import nn
 
 from cosyedge.quantize.cosyvoice2.flow import N_TIMESTEPS, CausalMaskedDiffWithXvec
 from cosyedge.quantize.cosyvoice2.flow_config import FlowConfig
+from cosyedge.quantize.cosyvoice2.flow_estimator import PromptState
 from cosyedge.quantize.cosyvoice2.onnx_export import trace_to_onnx
 
 ENCODER_NAME = "flow_encoder"
@@ -77,6 +91,30 @@ class EstimatorGraph(nn.Module):
         return self.flow.velocity(x, mask, mu, t, spks, cond, streaming)
 
 
+class PromptStateEstimatorGraph(EstimatorGraph):
+    """The estimator with the prompt state's inputs and outputs (CosyVoice2)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,  # type: ignore[override]
+                spks: torch.Tensor, cond: torch.Tensor, streaming: torch.Tensor, past_hidden: torch.Tensor,
+                past_conv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = x.shape[0]
+        state = PromptState(past_hidden.expand(-1, rows, -1, -1), past_conv.expand(rows, -1, -1), keep)
+        velocity = self.flow.velocity(x, mask, mu, t, spks, cond, streaming, state)
+        return (velocity, *state.outputs())
+
+
+STATE_DEFAULTS = ("past_hidden", "past_conv", "keep")
+
+
+def _state_defaults(layers: int, width: int, channels: int) -> Callable[[onnx.ModelProto], None]:
+    """The prompt state's inputs become overridable initializers: none past, zero convolution history, keep 0."""
+    def edit(model: onnx.ModelProto) -> None:
+        defaults = {"past_hidden": np.zeros((layers, 1, 0, width), np.float32),
+                    "past_conv": np.zeros((1, channels, 2), np.float32), "keep": np.zeros(1, np.int64)}
+        model.graph.initializer.extend(onnx.numpy_helper.from_array(value, name) for name, value in defaults.items())
+    return edit
+
+
 def graph_metadata(c: FlowConfig) -> dict[str, str]:
     """What the runtime needs beside the graphs (written into both files' metadata_props)."""
     return {
@@ -94,7 +132,7 @@ def export_flow(module: CausalMaskedDiffWithXvec, out_dir: Path) -> dict[str, Pa
     Traced with the TorchScript exporter; example shapes use distinct sizes so that no dynamic dimension is
     specialised, and both flags are graph inputs (one graph covers streaming and non-streaming calls).
     """
-    return export_flow_graphs(module, out_dir, graph_metadata(module.config), frames=2 * 7)
+    return export_flow_graphs(module, out_dir, graph_metadata(module.config), frames=2 * 7, prompt_state=True)
 
 
 def _fix_encoder(model: onnx.ModelProto) -> None:
@@ -105,15 +143,33 @@ def _fix_encoder(model: onnx.ModelProto) -> None:
         model.graph.input.append(onnx.helper.make_tensor_value_info("streaming", onnx.TensorProto.INT64, [1]))
 
 
-def export_flow_graphs(module: nn.Module, out_dir: Path, metadata: dict[str, str], frames: int) -> dict[str, Path]:
+def export_flow_graphs(module: nn.Module, out_dir: Path, metadata: dict[str, str], frames: int,
+                       prompt_state: bool = False) -> dict[str, Path]:
     """The two flow graphs of any flow with CosyVoice2's `encode` / `velocity` signatures (CosyVoice2 and 3),
-    `metadata` in both files; the estimator is traced on `frames` example frames at batch 3."""
+    `metadata` in both files; the estimator is traced on `frames` example frames at batch 3, with the prompt
+    state's inputs and outputs when `prompt_state` (traced on 5 past frames, 2 kept)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     module = module.eval()
     c = module.config
     b, size = 3, frames
     flag = torch.ones(1, dtype=torch.int64)
+    estimator_args = (torch.randn(b, c.mel_bins, size), torch.ones(b, 1, size), torch.randn(b, c.mel_bins, size),
+                      torch.rand(b), torch.randn(b, c.mel_bins), torch.randn(b, c.mel_bins, size), flag)
+    estimator_inputs = ["x", "mask", "mu", "t", "spks", "cond", "streaming"]
+    estimator_outputs = ["velocity"]
+    estimator_axes = ({name: {0: "batch", 2: "frames"} for name in ("x", "mask", "mu", "cond", "velocity")}
+                      | {"t": {0: "batch"}, "spks": {0: "batch"}})
+    estimator, edit = EstimatorGraph(module), None  # type: ignore[arg-type]
+    if prompt_state:
+        net = module.decoder.estimator
+        layers, width, channels = net.layers(), net.config.channels, net.conv_channels()
+        estimator, edit = PromptStateEstimatorGraph(module), _state_defaults(layers, width, channels)  # type: ignore[arg-type]
+        estimator_args += (torch.randn(layers, b, 5, width), torch.randn(b, channels, 2), torch.tensor([2]))
+        estimator_inputs += list(STATE_DEFAULTS)
+        estimator_outputs += ["present_hidden", "present_conv"]
+        estimator_axes |= {"past_hidden": {1: "state_rows", 2: "past"}, "past_conv": {0: "state_rows"},
+                           "present_hidden": {1: "batch", 2: "kept"}, "present_conv": {0: "batch"}}
     jobs = {
         ENCODER_NAME: (
             EncoderGraph(module),  # type: ignore[arg-type]  # duck-typed: every flow has the same encode
@@ -121,13 +177,7 @@ def export_flow_graphs(module: nn.Module, out_dir: Path, metadata: dict[str, str
              flag),
             ["token", "embedding", "finalize", "streaming"], ["mu", "spks"],
             {"token": {1: "tokens"}, "mu": {2: "frames"}}, _fix_encoder),
-        ESTIMATOR_NAME: (
-            EstimatorGraph(module),  # type: ignore[arg-type]
-            (torch.randn(b, c.mel_bins, size), torch.ones(b, 1, size), torch.randn(b, c.mel_bins, size),
-             torch.rand(b), torch.randn(b, c.mel_bins), torch.randn(b, c.mel_bins, size), flag),
-            ["x", "mask", "mu", "t", "spks", "cond", "streaming"], ["velocity"],
-            {name: {0: "batch", 2: "frames"} for name in ("x", "mask", "mu", "cond", "velocity")}
-            | {"t": {0: "batch"}, "spks": {0: "batch"}}, None),
+        ESTIMATOR_NAME: (estimator, estimator_args, estimator_inputs, estimator_outputs, estimator_axes, edit),
     }
     return {name: trace_to_onnx(graph, args, out_dir / f"{name}.onnx", inputs, outputs, axes, metadata, edit)
             for name, (graph, args, inputs, outputs, axes, edit) in jobs.items()}

@@ -224,7 +224,13 @@ def test_onnx_signatures(sessions: dict[str, ort.InferenceSession]) -> None:
         ("x", "tensor(float)", frames), ("mask", "tensor(float)", ["batch", 1, "frames"]),
         ("mu", "tensor(float)", frames), ("t", "tensor(float)", ["batch"]), ("spks", "tensor(float)", ["batch", 80]),
         ("cond", "tensor(float)", frames), ("streaming", "tensor(int64)", [1])]
-    assert signature(estimator.get_outputs()) == [("velocity", "tensor(float)", frames)]
+    assert signature(estimator.get_outputs()) == [
+        ("velocity", "tensor(float)", frames), ("present_hidden", "tensor(float)", [4, "batch", "kept", 64]),
+        ("present_conv", "tensor(float)", ["batch", 1024, 2])]
+    # the prompt state's inputs are optional: overridable initializers (none past, zeros, keep 0)
+    assert signature(estimator.get_overridable_initializers()) == [
+        ("past_hidden", "tensor(float)", [4, "state_rows", "past", 64]),
+        ("past_conv", "tensor(float)", ["state_rows", 1024, 2]), ("keep", "tensor(int64)", [1])]
     meta = encoder.get_modelmeta().custom_metadata_map
     assert meta["pre_lookahead_len"] == "3" and meta["token_mel_ratio"] == "2" and meta["n_timesteps"] == "10"
     assert float(meta["inference_cfg_rate"]) == 0.7 and meta["estimator_chunk"] == "50"
@@ -262,7 +268,7 @@ def test_onnx_encoder_streaming_chunk_matches_torch(flow: CausalMaskedDiffWithXv
 def test_onnx_estimator_matches_golden(sessions: dict[str, ort.InferenceSession], vectors: dict[str, np.ndarray],
                                        case: str) -> None:
     feeds = {name: vectors[f"{case}__est_{name}"] for name in ("x", "mask", "mu", "t", "spks", "cond")}
-    (velocity,) = sessions[ESTIMATOR_NAME].run(None, feeds | {"streaming": _flag(False)})
+    (velocity,) = sessions[ESTIMATOR_NAME].run(["velocity"], feeds | {"streaming": _flag(False)})
     assert _max_err(velocity, vectors[f"{case}__est_out"]) <= ONNX_ATOL
 
 
@@ -273,19 +279,19 @@ def test_onnx_estimator_streaming_and_padded_batch(flow: CausalMaskedDiffWithXve
     case = HEAVY[0]
     feeds = {name: vectors[f"{case}__est_{name}"] for name in ("x", "mask", "mu", "t", "spks", "cond")}
     run = sessions[ESTIMATOR_NAME]
-    (streamed,) = run.run(None, feeds | {"streaming": _flag(True)})
+    (streamed,) = run.run(["velocity"], feeds | {"streaming": _flag(True)})
     with torch.no_grad():
         expected = flow.velocity(**{k: torch.from_numpy(v) for k, v in feeds.items()}, streaming=torch.tensor([1]))
     assert _max_err(streamed, expected) <= ONNX_ATOL
-    (full,) = run.run(None, feeds | {"streaming": _flag(False)})
+    (full,) = run.run(["velocity"], feeds | {"streaming": _flag(False)})
     assert _max_err(streamed, full) > 100 * ONNX_ATOL
 
     short = feeds["x"].shape[2] - 17
     alone = {k: (v[..., :short] if v.ndim == 3 else v) for k, v in feeds.items()}
-    (single,) = run.run(None, alone | {"streaming": _flag(False)})
+    (single,) = run.run(["velocity"], alone | {"streaming": _flag(False)})
     padded = {k: np.concatenate([feeds[k], np.pad(alone[k], [(0, 0)] * (v.ndim - 1) + [(0, 17)])])
               if v.ndim == 3 else np.concatenate([v, v]) for k, v in feeds.items()}
-    (batched,) = run.run(None, padded | {"streaming": _flag(False)})
+    (batched,) = run.run(["velocity"], padded | {"streaming": _flag(False)})
     assert _max_err(batched[:2], full) <= ONNX_ATOL
     assert _max_err(batched[2:, :, :short], single) <= ONNX_ATOL
     assert np.all(batched[2:, :, short:] == 0)
@@ -305,7 +311,7 @@ def _numpy_euler(estimator: ort.InferenceSession, mu: np.ndarray, spks: np.ndarr
     seen = []
     for step in range(1, n_timesteps + 1):
         seen.append(float(t))
-        (v,) = estimator.run(None, feeds | {"x": np.concatenate([x, x]), "t": np.full(2, t, np.float32)})
+        (v,) = estimator.run(["velocity"], feeds | {"x": np.concatenate([x, x]), "t": np.full(2, t, np.float32)})
         x = x + dt * ((1.0 + cfg_rate) * v[:1] - cfg_rate * v[1:])
         t = t + dt
         if step < n_timesteps:

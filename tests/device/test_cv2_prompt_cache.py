@@ -1,0 +1,159 @@
+"""The flow's per-voice prompt state (device/cosyvoice2/prompt_cache.py) on the tiny official-layout CosyVoice2
+release, fp32: a streaming call that starts after the voice's prompt state gives the mel of the call that solves
+the prompt frames again (fp32 round-off), for every preset, first chunks, later chunks and bounded re-solves; the
+estimator then really runs fewer frames; a state that is wrong changes the mel (so the comparison can see a broken
+state); the cache keeps within its cap, least recently used out first, and a cap smaller than a voice's state
+keeps fewer whole chunks, with the same result."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cosyedge.device.cosyvoice2.flow import FlowPrompt
+from cosyedge.device.cosyvoice2.prompt_cache import PromptCache, PromptState, frames_within
+from cosyedge.device.engine import Engine
+from cosyedge.device.sessions import SessionConfig, create_session
+
+ROUND_OFF = 1e-5      # fp32: the same arithmetic over fewer frames per call (measured <= 3e-6)
+VOICE = "tiny_spk_zh"
+
+
+class FrameCounter:
+    """An estimator session that records the frames of each call (everything else delegates)."""
+
+    def __init__(self, session) -> None:
+        self._session, self.frames = session, []
+
+    def run(self, outputs, feeds, *args):
+        if "x" in feeds:
+            self.frames.append(feeds["x"].shape[2])
+        return self._session.run(outputs, feeds, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+def _engine(bundle: Path, cap_mb: int, counters: list[FrameCounter] | None = None) -> Engine:
+    def factory(path: Path, config: SessionConfig):
+        session = create_session(path, config)
+        if counters is not None and path.name.startswith("flow_estimator"):
+            counters.append(FrameCounter(session))
+            return counters[-1]
+        return session
+    sessions = SessionConfig(providers=("cpu",), intra_op_threads=1, prompt_cache_mb=cap_mb, session_factory=factory)
+    return Engine.load(bundle, precision="fp32", sessions=sessions, warmup=False)
+
+
+@pytest.fixture(scope="module")
+def engines(cv2_tiny_bundle: Path):
+    counters: list[FrameCounter] = []
+    return _engine(cv2_tiny_bundle, 256, counters), _engine(cv2_tiny_bundle, 0), counters[0]
+
+
+def _prompt(engine: Engine) -> FlowPrompt:
+    return engine.pipeline._mode_inputs(engine.options(voice=VOICE)).flow
+
+
+# first chunk (prompt 87 tokens: pad 13 + hop 25 + look-ahead 3), a later chunk, a bounded re-solve from token 100
+CALLS = [(41, 0), (153, 0), (253, 100)]
+
+
+def test_streaming_after_the_prompt_state_gives_the_mel_of_solving_the_prompt_again(engines):
+    cached, plain, counter = engines
+    prompt = _prompt(cached)
+    assert prompt.tokens.size == 87 and prompt.mel.shape[0] == 174
+    tokens = np.random.default_rng(0).integers(0, 6561, 300)
+    for name in cached.pipeline.presets():
+        preset = cached.pipeline._presets[name]
+        state = cached.pipeline._flow.prompt_state(prompt, preset)
+        # whole 50-frame chunks of the 174 prompt frames whose encoder output the prompt fixes (<= 2 x (87 - 3))
+        assert state is not None and state.frames == 150 and len(state.steps) == preset.steps
+        for size, start in CALLS:
+            counter.frames.clear()
+            mel = cached.pipeline._flow.mel(prompt, tokens[:size], False, True, preset, start)
+            again = plain.pipeline._flow.mel(prompt, tokens[:size], False, True, preset, start)
+            assert mel.shape == again.shape == (1, 80, 2 * (size - 3 - start))
+            np.testing.assert_allclose(mel, again, atol=ROUND_OFF, rtol=0)
+            # every estimator call of the cached solve skipped the 150 prompt frames
+            assert counter.frames == [174 + 2 * (size - 3 - start) - 150] * preset.steps
+
+
+def test_a_wrong_state_changes_the_mel(engines):
+    """The comparison above sees a state that is not the prompt's: the state's hidden states perturbed."""
+    cached, plain, _ = engines
+    flow, prompt = cached.pipeline._flow, _prompt(cached)
+    preset = cached.pipeline._presets["fastest"]
+    state = flow.prompt_state(prompt, preset)
+    wrong = PromptState(state.frames, tuple((hidden * 1.01, conv) for hidden, conv in state.steps))
+    tokens = np.random.default_rng(0).integers(0, 6561, 41)
+    mu, spks, cond = flow._condition(prompt, tokens, False, True)
+    right = flow.solve(mu, spks, cond, True, preset=preset, past=[state])
+    bent = flow.solve(mu, spks, cond, True, preset=preset, past=[wrong])
+    assert np.abs(right - bent).max() > 100 * ROUND_OFF
+
+
+def test_final_and_whole_calls_solve_everything(engines):
+    """Full attention (the final chunk, whole synthesis) lets prompt frames see later ones: no state there."""
+    cached, _, counter = engines
+    prompt, preset = _prompt(cached), cached.pipeline._presets["official"]
+    tokens = np.random.default_rng(1).integers(0, 6561, 60)
+    counter.frames.clear()
+    cached.pipeline._flow.mel(prompt, tokens, True, False, preset)
+    assert counter.frames == [174 + 120] * preset.steps
+
+
+def test_a_smaller_cap_keeps_fewer_whole_chunks_with_the_same_mel(cv2_tiny_bundle):
+    cached = _engine(cv2_tiny_bundle, 256)
+    full = cached.pipeline._flow
+    prompt = _prompt(cached)
+    preset = cached.pipeline._presets["official"]
+    state = full.prompt_state(prompt, preset)
+    frame_row = state.steps[0][0][:, :1, :1].nbytes   # one frame of one row, every block
+    conv_row = state.steps[0][1][:1].nbytes
+    rows = preset.estimator_rows()
+    cap = rows * (101 * frame_row + conv_row)         # room for 101 frames: 2 whole chunks
+    small = PromptCache(cap)
+    full._cache, saved = small, full._cache
+    try:
+        kept = full.prompt_state(prompt, preset)
+        assert kept.frames == 100 and kept.nbytes <= cap and len(small) == 1
+        tokens = np.random.default_rng(2).integers(0, 6561, 41)
+        fewer = full.mel(prompt, tokens, False, True, preset)
+        full._cache = saved
+        np.testing.assert_allclose(fewer, full.mel(prompt, tokens, False, True, preset), atol=ROUND_OFF, rtol=0)
+    finally:
+        full._cache = saved
+
+
+def _state(nbytes: int) -> PromptState:
+    return PromptState(50, ((np.zeros(nbytes // 4, np.float32), np.zeros(0, np.float32)),))
+
+
+def test_the_cache_keeps_within_its_cap_least_recently_used_out():
+    cache = PromptCache(1000)
+    cache.put("a", _state(400))
+    cache.put("b", _state(400))
+    assert cache.get("a") is not None          # a is now the most recent
+    cache.put("c", _state(400))
+    assert cache.get("b") is None and cache.get("a") is not None and cache.get("c") is not None
+    assert cache.nbytes <= 1000
+    cache.put("big", _state(1200))              # larger than the cap: not kept, nothing evicted for it
+    assert cache.get("big") is None and len(cache) == 2
+    assert frames_within(174, 50, 10, 10_000) == 150
+    assert frames_within(174, 50, 10, 1_010) == 100
+    assert frames_within(174, 50, 10, 499) == 0
+
+
+def test_the_cap_comes_from_the_environment(monkeypatch):
+    from cosyedge.device.errors import ProviderError
+    monkeypatch.setenv("COSYEDGE_PROVIDERS", "cpu")
+    monkeypatch.setenv("COSYEDGE_PROMPT_CACHE_MB", "64")
+    assert SessionConfig.from_env().prompt_cache_mb == 64
+    monkeypatch.delenv("COSYEDGE_PROMPT_CACHE_MB")
+    assert SessionConfig.from_env().prompt_cache_mb == 256
+    for bad in ("-1", "lots", "1e3", "9999999"):
+        monkeypatch.setenv("COSYEDGE_PROMPT_CACHE_MB", bad)
+        with pytest.raises(ProviderError, match="COSYEDGE_PROMPT_CACHE_MB"):
+            SessionConfig.from_env()
