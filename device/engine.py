@@ -161,9 +161,11 @@ class Engine:
         return self.pipeline.decode_occupancy()
 
     def warmup(self) -> float:
-        """One short synthesis so the first real request does not pay for lazy ORT initialisation."""
+        """One short synthesis so the first real request does not pay for lazy ORT initialisation, and the
+        pipeline's own work ahead of requests (`Pipeline.warm`: a CosyVoice2 default voice's streaming state)."""
         start = time.perf_counter()
         self.synthesize("Hello.", deterministic=True)
+        self.pipeline.warm()
         elapsed = time.perf_counter() - start
         log.info("warm-up took %.2f s", elapsed)
         return elapsed

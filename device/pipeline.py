@@ -151,6 +151,12 @@ class Pipeline(abc.ABC):
                 return
             yield chunk
 
+    def warm(self, preset: str | None = None) -> bool:
+        """Work done once ahead of the requests it speeds up (`Engine.warmup`, the bench before a run): CosyVoice2's
+        streaming prompt state of the default voice under `preset` (None: the default one). True when there was
+        some to do; default: none."""
+        return False
+
     def decode_occupancy(self) -> dict[int, int]:
         """Decode steps run so far by rows in the step (CosyVoice2's scheduler; empty for other families)."""
         return {}

@@ -134,9 +134,9 @@ class Flow:
         return [x[row:row + 1, :, prompt.mel.shape[0] - done:size - done]
                 for row, (prompt, size) in enumerate(zip(prompts, frames))]
 
-    def prompt_state(self, prompt: FlowPrompt, preset: Preset | None) -> PromptState | None:
+    def prompt_state(self, prompt: FlowPrompt, preset: Preset | None, build: bool = True) -> PromptState | None:
         """The estimator state of this voice's prompt prefix under `preset` (prompt_cache.py), from the cache or
-        computed now; None where the graph keeps no state or the prompt has no whole chunk to keep."""
+        (`build`) computed now; None where the graph keeps no state or the prompt has no whole chunk to keep."""
         if not self._state_chunk or self._cache is None:
             return None
         c, preset = self.config, preset or self.official
@@ -148,7 +148,7 @@ class Flow:
             return None
         key = prompt_key(prompt.tokens, prompt.mel, prompt.embedding, (preset.steps, preset.cfg_steps, frames))
         state = self._cache.get(key)
-        if state is None:
+        if state is None and build:
             tokens = np.asarray(prompt.tokens, np.int64).reshape(1, -1)
             mu, spks = self._encoder.run(None, {"token": tokens, "embedding": prompt.embedding.reshape(1, -1),
                                                 "finalize": _flag(False), "streaming": _flag(True)})

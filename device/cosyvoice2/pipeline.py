@@ -154,6 +154,14 @@ class CosyVoicePipeline(Pipeline):
     def presets(self) -> list[str]:
         return list(self._presets)
 
+    def warm(self, preset: str | None = None) -> bool:
+        """The default voice's prompt state for streaming under `preset` (prompt_cache.py), kept in the cache."""
+        prompt = self._mode_inputs(SynthesisOptions(voice=self.voices()[0])).flow
+        chosen = self._presets.get(preset or self._default_preset)
+        if chosen is None or self._flow.prompt_state(prompt, chosen, build=False) is not None:
+            return False
+        return self._flow.prompt_state(prompt, chosen) is not None
+
     def languages(self) -> list[str]:
         return list(self._parts.languages)
 

@@ -157,3 +157,18 @@ def test_the_cap_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv("COSYEDGE_PROMPT_CACHE_MB", bad)
         with pytest.raises(ProviderError, match="COSYEDGE_PROMPT_CACHE_MB"):
             SessionConfig.from_env()
+
+
+def test_warm_up_builds_the_default_voices_state_once(cv2_tiny_bundle):
+    """A warmed service has the default voice's state for the default preset before its first request (the
+    bench prepares each run's preset the same way); a second warm-up finds it."""
+    engine = _engine(cv2_tiny_bundle, 256)
+    pipeline = engine.pipeline
+    prompt = _prompt(engine)
+    assert engine.voices()[0] == VOICE
+    assert pipeline._flow.prompt_state(prompt, pipeline._presets["official"], build=False) is None
+    engine.warmup()
+    assert pipeline._flow.prompt_state(prompt, pipeline._presets["official"], build=False) is not None
+    assert pipeline._flow.prompt_state(prompt, pipeline._presets["fastest"], build=False) is None
+    assert pipeline.warm("fastest") and not pipeline.warm("fastest") and not pipeline.warm()
+    assert pipeline._flow.prompt_state(prompt, pipeline._presets["fastest"], build=False) is not None
