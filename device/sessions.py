@@ -146,7 +146,7 @@ class SessionConfig:
 
 
 # Graphs with optional inputs by design (ONNX overridable initializers: CosyVoice2's flow estimator takes a prompt
-# state only when a streaming call has one, quantize/cosyvoice2/flow_export.py).
+# state only when a streaming call has one, quantize/cosyvoice2/flow_export.py), run in priority order.
 OVERRIDABLE_INPUT_GRAPHS = frozenset({"flow_estimator"})
 
 
@@ -158,6 +158,10 @@ def create_session(path: Path, config: SessionConfig) -> ort.InferenceSession:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if Path(path).name.split(".")[0] in OVERRIDABLE_INPUT_GRAPHS:
         options.log_severity_level = 3  # errors only: ORT warns on every load that those inputs are initializers
+        # the state outputs hang off every block; ORT's default order ran them last, keeping every block's input
+        # alive to the end (full-size estimator, one 674-frame call: peak +198 MB over the loaded session against
+        # +89 MB in priority order, the plain graph's +75 to +90 MB; the same speed)
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     providers = config.resolved_providers(path)
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers,
