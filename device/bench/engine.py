@@ -1,7 +1,11 @@
 """`cosyedge bench` on a Piper/VITS bundle: real-time factor per sentence and in total, precisions side by side.
 
 RTF = compute seconds / audio seconds. Precisions (and the piper-tts peer) are interleaved sentence by sentence,
-so a noisy shared machine slows them alike and the ratios hold. The first precision also runs with word times
+so a noisy shared machine slows them alike and the ratios hold, in an order reversed on every other sentence
+(`pass_orders`): right after a call of its own engine a runner is faster than after another engine's (the
+default voice, one quiet run of 20 sentences each: ours 15 % and piper-tts's 18 % less time; likely its weights still in
+the CPU caches), so a fixed order favoured whoever followed its own engine (the `+words` runner measured 13-16 %
+faster than the plain one it followed, though it does more). The first precision also runs with word times
 (`Engine.synthesize_words`), and what they cost is reported two ways: that runner's RTF against the plain one, and
 the word mapping alone (`segments(words=True)` less `segments`, timed on the same sentences) as a share of the
 plain runner's synthesis time.
@@ -48,6 +52,12 @@ class PiperPeer:
         return np.concatenate([c.audio_float_array for c in self._voice.synthesize(text, self._config)])
 
 
+def pass_orders(names: list[str], passes: int) -> list[list[str]]:
+    """The runners' order for each pass, forward then reversed (ABBA): each runner follows its neighbour on one
+    side as often as on the other, and the first of a reversed pass follows itself, as the last did before it."""
+    return [list(names) if index % 2 == 0 else list(reversed(names)) for index in range(passes)]
+
+
 def _peer(engine: Engine, threads: int) -> PiperPeer | None:
     """The piper-tts runner when the bundle was converted from the packaged Piper voice, else None."""
     if engine.bundle.manifest.family != "vits":
@@ -79,9 +89,11 @@ def run_bench(bundle: Path | None, precisions: list[str], rounds: int = 3, threa
         runner("Warm up.")
     per_sentence = {name: [{"text": s, "compute_s": 0.0, "audio_s": 0.0} for s in sentences] for name in runners}
     mapping_s = 0.0  # word_segments less segments: the words' own share of the text work
+    orders = iter(pass_orders(list(runners), rounds * len(sentences)))
     for _ in range(rounds):
         for index, sentence in enumerate(sentences):
-            for name, (runner, rate) in runners.items():
+            for name in next(orders):
+                runner, rate = runners[name]
                 start = time.perf_counter()
                 wave = runner(sentence)
                 row = per_sentence[name][index]

@@ -14,6 +14,7 @@ import pytest
 
 from cosyedge.device.bench.clocks import (GRAPH_STAGE, LLMTimedSession, StageClock, TimedSession, graph_name,
                                           timing_factory)
+from cosyedge.device.bench.engine import pass_orders
 from cosyedge.device.bench.report import cosyvoice_table, engine_table
 from cosyedge.device.sessions import SessionConfig, create_session
 
@@ -174,3 +175,18 @@ def test_multiply_adds_of_products_from_their_shapes():
     assert node_macs("Conv", [[1, 16, 50], [32, 16, 3], [32]], [[1, 32, 50]]) == 32 * 50 * 16 * 3
     assert node_macs("Conv", [[1, 16, 50], [16, 1, 3]], [[1, 16, 50]]) == 16 * 50 * 3  # depthwise
     assert node_macs("Add", [[4, 4], [4, 4]], [[4, 4]]) == 0
+
+
+def test_pass_orders_give_every_runner_each_neighbour_alike():
+    """A runner is faster right after its own engine (engine.py): over the passes each runner comes after a given
+    runner (the pass before's last included) as often as before it, and first as often as last, so no runner is
+    favoured by its place. A fixed order fails this."""
+    names = ["ours", "ours+words", "other", "peer"]
+    sequence = [name for order in pass_orders(names, 8) for name in order]
+    follows = Counter(zip(sequence, sequence[1:]))
+    for a in names:
+        for b in names:
+            if a != b:
+                assert follows[(a, b)] == follows[(b, a)], (a, b)
+    orders = pass_orders(names, 8)
+    assert Counter(order[0] for order in orders) == Counter(order[-1] for order in orders)
