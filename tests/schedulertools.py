@@ -65,11 +65,11 @@ def wait_until(condition: Callable[[], bool], what: str, seconds: float = 60) ->
 
 
 def assert_first_chunk_goes_first(engine: Engine, segment: Segment, options: SynthesisOptions) -> None:
-    """Stream A has emitted a chunk; while chunk work is held, A waits for its next chunk and B for its first:
-    B's first chunk is made first (the pipeline's ChunkGate). `options` must give A several chunks. The held turn
-    is a later chunk's; on a CPU the decode loop would wait for it too (`decode_yields_always`, tested in
-    test_cv2_stream_scheduler.py) and B's first tokens would never come, so here the gate holds it for first
-    chunks only, as off a CPU: the order of turns is what this checks."""
+    """Stream A has emitted a chunk; while another stream's later chunk holds the one slot, A waits for its next
+    chunk and B's first chunk is made beside the held turn (`ChunkGate` first_beside), before the turn ends; A's
+    next chunk after it. `options` must give A several chunks. On a CPU the decode loop would wait for the held turn
+    too (`decode_yields_always`, tested in test_cv2_stream_scheduler.py) unless a stream waits for its first tokens,
+    so here the gate holds it for first chunks only, as off a CPU: the order of turns is what this checks."""
     gate = engine.pipeline._chunk_gate
     a = engine.pipeline.stream(segment, options)
     next(a)  # A emitted its first chunk
@@ -83,7 +83,8 @@ def assert_first_chunk_goes_first(engine: Engine, segment: Segment, options: Syn
             threads[0].start()
             wait_until(lambda: gate.waiting() == 1, "A never asked for its next chunk")
             threads[1].start()
-            wait_until(lambda: gate.waiting() == 2, "B never asked for its first chunk")
+            wait_until(lambda: made == ["B"], "B's first chunk waited for the held later chunk", seconds=60)
+            assert gate.waiting() == 1  # A still waits for the slot
         for thread in threads:
             thread.join(60)
     finally:
@@ -120,7 +121,7 @@ def assert_first_chunks_share_one_flow_call(engine: Engine, monkeypatch, jobs: S
         together[index] = list(pipeline.stream_tokens(tokens, engine.options(voice=voice, deterministic=True)))
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(jobs))]
-    with gate.turn(1, 0.0):  # another stream's later chunk holds the only slot until every first chunk waits
+    with gate.turn(0, 0.0):  # another stream's first chunk holds the slot (and the turn beside) until all wait
         for thread in threads:
             thread.start()
         wait_until(lambda: gate.waiting() == len(jobs), "the first chunks never queued")

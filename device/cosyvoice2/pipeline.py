@@ -97,7 +97,7 @@ class CosyVoicePipeline(Pipeline):
         s = self._sessions
         # concurrent streams' chunk work, first chunks first (decode waits for them; on a CPU for every chunk)
         self._chunk_gate = ChunkGate(first_batch=4 if shared_rows else 1,
-                                     decode_yields_always=sessions.available()[:1] == ["cpu"])
+                                     decode_yields_always=sessions.available()[:1] == ["cpu"], first_beside=True)
         try:
             self._parts: FamilyParts = parts(cfg, bundle.asset("tokenizer"), (s["hift_source"], s["hift_decoder"]),
                                              manifest.sample_rate)

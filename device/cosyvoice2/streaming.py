@@ -13,8 +13,10 @@ mel).
 
 Fairness between concurrent streams (`ChunkGate`): the flow + HiFT work of one chunk waits for its turn, and the
 turn goes to the stream that has emitted the fewest chunks, then to the one that began first, so a new request's
-first chunk never waits behind another request's later chunks. The priority lives in the waiting ticket (a
-local of the stream), never on the shared gate. While a first chunk's work runs, the LLM decode loop waits before
+first chunk never waits behind another request's later chunks; nor for the end of a chunk's work already running
+(`first_beside`): one first chunk at a time starts beside it, since a later chunk's call can be long (an official
+stream re-solves its whole history) and the newcomer's listener hears nothing meanwhile. The priority lives in the
+waiting ticket (a local of the stream), never on the shared gate. While a first chunk's work runs, the LLM decode loop waits before
 its next step (`before_decode_step`, called by the `DecodeScheduler`), so on a small CPU the cores go to the chunk
 that ends the listener's silence rather than to tokens that are not needed yet. On the CPU provider it waits for
 every chunk's work (`decode_yields_always`) unless a stream still waits for its first tokens (`awaiting_first`,
@@ -135,15 +137,18 @@ class FirstChunk:
 
 class ChunkGate:
     """Turns for chunk work (flow + HiFT) of concurrent streams: at most `slots` at once, the waiting ticket with
-    the lowest (chunks emitted, start time) first. One slot suits a CPU, where parallel calls only share cores.
+    the lowest (chunks emitted, start time) first. One slot suits a CPU, where parallel calls only share cores;
+    with `first_beside` one first chunk more may run beside them (the pipeline's choice: first audio sooner).
     First chunks of one length waiting at once share one flow call of at most `first_batch` rows (`first_mel`).
     The decode loop waits before each step while a first chunk's work runs, and with `decode_yields_always` (CPU)
     while any chunk's work runs unless a stream still waits for the tokens of its first chunk
     (`before_decode_step`)."""
 
-    def __init__(self, slots: int = 1, first_batch: int = 4, decode_yields_always: bool = False) -> None:
+    def __init__(self, slots: int = 1, first_batch: int = 4, decode_yields_always: bool = False,
+                 first_beside: bool = False) -> None:
         self._cond = threading.Condition()
         self._free = slots
+        self._first_beside = first_beside
         self._waiting: list[tuple[int, float, int]] = []  # heap of tickets
         self._order = itertools.count()
         self._decode_yields_always = decode_yields_always
@@ -152,6 +157,11 @@ class ChunkGate:
         self._awaiting_first = 0  # streams that have not emitted a chunk yet (`awaiting_first`)
         self._first_batch = first_batch
         self._firsts: list[FirstChunk] = []  # first chunks waiting for their flow call
+
+    def _may_start(self, emitted: int) -> bool:
+        """A free slot, or with `first_beside` for a first chunk while no other first chunk runs: a turn beside the
+        running later chunk, so a newcomer's first audio does not wait for the end of another's long call."""
+        return self._free > 0 or (self._first_beside and emitted == 0 and self._first_running == 0)
 
     def waiting(self) -> int:
         """Tickets waiting for a turn (tests, metrics)."""
@@ -164,7 +174,7 @@ class ChunkGate:
         ticket = (emitted, began, next(self._order))
         with self._cond:
             heapq.heappush(self._waiting, ticket)
-            self._cond.wait_for(lambda: self._free > 0 and self._waiting[0] == ticket)
+            self._cond.wait_for(lambda: self._may_start(emitted) and self._waiting[0] == ticket)
             heapq.heappop(self._waiting)
             self._free -= 1
             self._first_running += emitted == 0
@@ -207,7 +217,7 @@ class ChunkGate:
         with self._cond:
             heapq.heappush(self._waiting, ticket)
             self._firsts.append(job)
-            self._cond.wait_for(lambda: job.done or (not job.claimed and self._free > 0
+            self._cond.wait_for(lambda: job.done or (not job.claimed and self._may_start(0)
                                                       and self._waiting[0] == ticket))
             self._waiting.remove(ticket)
             heapq.heapify(self._waiting)

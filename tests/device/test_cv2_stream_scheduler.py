@@ -45,6 +45,34 @@ def test_gate_gives_the_turn_to_the_fewest_chunks_emitted_then_the_earliest():
     assert order == [(0, 2.0), (0, 5.0), (1, 0.5), (3, 1.0)]
 
 
+def test_one_first_chunk_runs_beside_a_running_later_chunk():
+    """`first_beside`: while a later chunk holds the one slot, one first chunk starts beside it (its listener does
+    not wait for the end of another stream's long call); a second first chunk and any later chunk still wait.
+    Without first_beside the first chunk waits too (the last check)."""
+    for beside in (True, False):
+        gate, entered, leave = ChunkGate(first_beside=beside), [], threading.Event()
+
+        def work(emitted: int, began: float) -> None:
+            with gate.turn(emitted, began):
+                entered.append((emitted, began))
+                leave.wait(30)
+
+        with gate.turn(1, 0.0):  # a later chunk's long call
+            threads = [threading.Thread(target=work, args=args) for args in ((0, 1.0), (0, 2.0), (2, 0.5))]
+            for thread in threads:
+                thread.start()
+            if beside:
+                wait_until(lambda: entered == [(0, 1.0)], "the first chunk waited for the later chunk's call")
+                wait_until(lambda: gate.waiting() == 2, "the others never queued")
+            else:
+                wait_until(lambda: gate.waiting() == 3, "the tickets never queued")
+                assert entered == []
+            leave.set()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(entered) == [(0, 1.0), (0, 2.0), (2, 0.5)]
+
+
 def test_a_new_streams_first_chunk_goes_before_a_running_streams_next_chunk(engine: Engine):
     options = engine.options(voice=VOICE, seed=1, sampling="greedy")
     assert_first_chunk_goes_first(engine, engine.segments(TEXT)[0], pinned(options, 300))
