@@ -16,16 +16,15 @@ turn goes to the stream that has emitted the fewest chunks, then to the one that
 first chunk never waits behind another request's later chunks; nor for the end of a chunk's work already running
 (`first_beside`): one first chunk at a time starts beside it, since a later chunk's call can be long (an official
 stream re-solves its whole history) and the newcomer's listener hears nothing meanwhile. The priority lives in the
-waiting ticket (a local of the stream), never on the shared gate. While a first chunk's work runs, the LLM decode loop waits before
-its next step (`before_decode_step`, called by the `DecodeScheduler`), so on a small CPU the cores go to the chunk
-that ends the listener's silence rather than to tokens that are not needed yet. On the CPU provider it waits for
-every chunk's work (`decode_yields_always`) unless a stream still waits for its first tokens (`awaiting_first`,
-so a newcomer's first audio is not held behind others' later chunks): decode steps and chunk work then take turns,
-each with all the cores,
-instead of running at once on oversubscribed cores (2 cores, full-size CosyVoice2 cpu, each session 2 threads: a
-decode step beside a looping estimator call took 37-47 ms against 14.5 ms alone, and the estimator ran 0.71-0.97
-calls/s against 2.2 alone). A stream's decoder runs ahead only while its consumer waits for tokens, so it still
-interleaves with the chunks.
+waiting ticket (a local of the stream), never on the shared gate. While a first chunk's work runs, the LLM decode
+loop waits before its next step (`before_decode_step`, called by the `DecodeScheduler`), so on a small CPU the cores
+go to the chunk that ends the listener's silence rather than to tokens that are not needed yet. On the CPU provider
+it waits for every chunk's work (`decode_yields_always`) unless a stream still waits for its first tokens
+(`awaiting_first`, so a newcomer's first audio is not held behind others' later chunks): decode steps and chunk work
+then take turns, each with all the cores, instead of running at once on oversubscribed cores (2 cores, full-size
+CosyVoice2 cpu, each session 2 threads: a decode step beside a looping estimator call took 37-47 ms against 14.5 ms
+alone, and the estimator ran 0.71-0.97 calls/s against 2.2 alone). A stream's decoder runs ahead only while its
+consumer waits for tokens, so it still interleaves with the chunks.
 
 First chunks together (`ChunkGate.first_mel`): the stream whose first chunk gets the turn solves, in one flow call,
 the first chunks of every stream waiting then with the same preset and the same lengths (at most `first_batch`);
