@@ -8,7 +8,8 @@ Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision 
   int8 weights per channel, activations quantized per call, the CPU's integer dot-product kernels) and its
   attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`, attention_fusion.py); the
   flow encoder is dynamic int8 too where the end-to-end gate allows (else the `int8-estimator` rung keeps it fp32);
-  the HiFT source stays fp32; the HiFT decoder becomes int8 only where its gate passes.
+  the HiFT source stays fp32; the HiFT decoder becomes static int8 QDQ with uint8 activations (every convolution
+  fused by ONNX Runtime, `unsigned_activations`) only where its gate passes.
 * `cpu-int4` (optional, ONNX Runtime CPU): the `cpu` target with 4-bit LLM weights (`MatMulNBits`, blocks of 32,
   symmetric, int8 compute) under their own LLM gate thresholds (gates.PRECISION_THRESHOLDS), falling back to the
   int8 LLM; its flow and HiFT graphs are the `cpu` target's (the same files when both targets are built).
@@ -35,7 +36,7 @@ from cosyedge.quantize.cosyvoice2.attention_fusion import fuse_attention
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
 from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_weights_dynamic,
                                                                name_matches, nbits_weights, static_int8_qdq,
-                                                               to_fp16)
+                                                               to_fp16, unsigned_activations)
 
 CPU_LLM_METHOD = "matmul_nbits"   # measured faster than "dynamic" (MatMulInteger) per decode token at full size
 # The cpu flow estimator: ORT dynamic int8 on its constant-weight MatMuls (MatMulInteger with activations quantized
@@ -152,7 +153,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
         if v.graph in rules.dynamic_int8:
             int8_weights_dynamic(fp32, dst, exclude)
         else:
-            static_int8_qdq(fp32, dst, calibration or (), exclude)
+            unsigned_activations(static_int8_qdq(fp32, dst, calibration or (), exclude), dst)
         if v.graph in rules.fused_attention:
             fuse_attention(dst, dst)
         return dst

@@ -156,6 +156,42 @@ def static_int8_qdq(src: Path, dst: Path, calibration: Sequence[dict[str, np.nda
     return Path(dst)
 
 
+def unsigned_activations(src: Path, dst: Path) -> Path:
+    """The same QDQ graph with every symmetric int8 activation pair (QuantizeLinear with zero point 0 and its
+    DequantizeLinear consumers) as uint8 with zero point 128: the same grid, so the graph computes the same values.
+
+    Why (ONNX Runtime CPU): its kernels fuse DQ -> Conv -> Q into QLinearConv with uint8 activations. It converts
+    int8 pairs itself, but not a pair whose DequantizeLinear feeds two nodes (the Snake after HiFT's dilated
+    `convs1`), so half of the HiFT decoder's convolutions ran in fp32 between a dequantize and a quantize. Weights
+    (DequantizeLinear of int8 initializers, no QuantizeLinear) keep int8: QLinearConv takes u8 x s8."""
+    model = onnx.load(str(src))
+    graph = model.graph
+    inits = _initializers(graph)
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    unsigned: dict[str, str] = {}
+    for node in graph.node:
+        zero = inits.get(node.input[2]) if node.op_type == "QuantizeLinear" and len(node.input) > 2 else None
+        if zero is None or zero.data_type != TensorProto.INT8 or numpy_helper.to_array(zero).any():
+            continue
+        pairs = consumers.get(node.output[0], [])
+        if not all(c.op_type == "DequantizeLinear" and c.input[2] == node.input[2] for c in pairs):
+            continue    # a quantized tensor read as int8 by anything else keeps its type
+        if zero.name not in unsigned:
+            unsigned[zero.name] = f"{zero.name}_u8"
+            graph.initializer.append(numpy_helper.from_array(
+                np.full(tuple(zero.dims), 128, np.uint8), unsigned[zero.name]))
+        for quantized in (node, *pairs):
+            quantized.input[2] = unsigned[zero.name]
+    used = {name for node in graph.node for name in node.input}
+    kept = [t for t in graph.initializer if t.name in used or t.name not in unsigned]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return _save(model, dst)
+
+
 # ------------------------------------------------------------------------------------------------------- fp16
 
 _TYPE_AGNOSTIC = frozenset({"Cast", "Shape", "Size"})        # inputs of any type: never cast in front of them

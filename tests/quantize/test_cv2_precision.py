@@ -15,11 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.errors import ReleaseError
-from cosyedge.quantize.cosyvoice2 import precision, precision_targets
+from cosyedge.quantize.cosyvoice2 import precision, precision_targets, precision_transforms
 from cosyedge.quantize.cosyvoice2.gates import THRESHOLDS, GateConfig, Gates, session
 
 GRAPHS = ("llm", "llm_align", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
@@ -189,6 +190,51 @@ def test_trt_int8_graphs_follow_tensorrt_qdq_rules(fp32, gate_config, tmp_path):
     assert report.passed, report.failures
     llm = gates.llm(dict(fp32, llm=built["llm"]), "int8")   # the QDQ LLM graph runs its prefill with P = 0
     assert np.isfinite(llm.metrics["mean_kl"]) and llm.metrics["top1_agreement"] > 0.5
+
+
+def _ort(path: Path, level: ort.GraphOptimizationLevel, optimized: Path | None = None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = level
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    if optimized is not None:
+        options.optimized_model_filepath = str(optimized)
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def test_cpu_static_int8_graph_fuses_every_quantized_conv(fp32, gate_config, tmp_path):
+    """The cpu HiFT decoder's QDQ graph has uint8 activations (zero point 128), so ONNX Runtime fuses every quantized
+    convolution into QLinearConv; with int8 activations it left each dilated `convs1` (whose output feeds the Snake
+    twice) as an fp32 Conv between a dequantize and a quantize. Unoptimised, the rewrite computes what the int8 QDQ
+    graph computes (the same grid); optimised, its error against fp32 is the signed graph's (within 10 %). On tiny
+    the cpu HiFT falls back to fp32 (module docstring), so the graph is built here directly."""
+    gates = Gates(gate_config, fp32)
+    _, mels = gates.flow_calibration()
+    calibration = gates.hift_calibration(mels)
+    v = precision_targets.variant("cpu", "hift_decoder", "int8")
+    built = precision_targets.build_variant(v, fp32["hift_decoder"], tmp_path / "hift_decoder.int8.onnx", calibration)
+    signed = precision_transforms.static_int8_qdq(fp32["hift_decoder"], tmp_path / "signed.onnx", calibration,
+                                                  precision_targets.INT8_EXCLUDE["hift_decoder"])
+    model = onnx.load(str(built))
+    activations = [(node, zero) for node, _, zero, is_weight in _scale_zero(model) if not is_weight]
+    assert activations and all(zero.dtype == np.uint8 and (zero == 128).all() for _, zero in activations)
+    assert all(zero.dtype == np.int8 and not zero.any() for _, _, zero, w in _scale_zero(model) if w)
+    dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    quantized = sum(1 for n in model.graph.node if n.op_type == "Conv" and n.input[1] in dequantized)
+    assert quantized >= 10
+    fused = {}
+    for path, name in ((built, "cpu"), (signed, "signed")):
+        _ort(path, ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, tmp_path / f"{name}.opt.onnx")
+        nodes = onnx.load(str(tmp_path / f"{name}.opt.onnx")).graph.node
+        fused[name] = sum(1 for n in nodes if n.op_type == "QLinearConv")
+    assert fused["cpu"] == quantized > fused["signed"], fused
+    feeds = _feeds(fp32["hift_decoder"])
+    plain = [_ort(p, ort.GraphOptimizationLevel.ORT_DISABLE_ALL).run(None, feeds)[0] for p in (built, signed)]
+    np.testing.assert_allclose(plain[0], plain[1], rtol=0, atol=1e-6)
+    ref = session(fp32["hift_decoder"]).run(None, feeds)[0]
+    fast, slow = (_ort(p, ort.GraphOptimizationLevel.ORT_ENABLE_ALL).run(None, feeds)[0] for p in (built, signed))
+    rms = {name: float(np.sqrt(np.mean((out - ref) ** 2))) for name, out in (("cpu", fast), ("signed", slow))}
+    assert rms["cpu"] < 1.1 * rms["signed"], rms
 
 
 def _flip_one_layer(path: Path, op_type: str, pattern: str) -> None:
