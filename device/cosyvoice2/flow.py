@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import onnx
@@ -97,19 +97,20 @@ class Flow:
         return Preset(OFFICIAL, self.config.n_timesteps, self.config.n_timesteps)
 
     def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
-            preset: Preset | None = None, start: int = 0) -> np.ndarray:
+            preset: Preset | None = None, start: int = 0, pause: Callable[[], None] | None = None) -> np.ndarray:
         """[1, M, ratio * (n - start)] mel of the generated tokens from `start` on (prompt frames removed).
 
         finalize=False: the last `pre_lookahead_len` tokens are look-ahead context only and produce no mel.
         start > 0 (a preset's bounded streaming re-solve): tokens[:start] are left out of the flow's context; the
-        noise of every frame is still the one at its position in the whole utterance.
+        noise of every frame is still the one at its position in the whole utterance. `pause` (a stream's later
+        chunk: `ChunkGate.yield_to_first`) is called before each estimator step and may block.
         """
         mu, spks, cond = self._condition(prompt, tokens[start:], finalize, streaming)
         skip = self.config.token_mel_ratio * start
         past = self.prompt_state(prompt, preset) if streaming and not finalize else None
         done = past.frames if past else 0
         return self.solve(mu, spks, cond, streaming, preset=preset, skip=(prompt.mel.shape[0], skip),
-                          past=[past] if past else ())[:, :, prompt.mel.shape[0] - done:]
+                          past=[past] if past else (), pause=pause)[:, :, prompt.mel.shape[0] - done:]
 
     def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray],
              preset: Preset | None = None, streaming: bool = False) -> list[np.ndarray]:
@@ -180,7 +181,8 @@ class Flow:
     def solve(self, mu: np.ndarray, spks: np.ndarray, cond: np.ndarray, streaming: bool,
               mask: np.ndarray | None = None, preset: Preset | None = None,
               skip: tuple[int, int] = (0, 0), past: Sequence[PromptState] = (),
-              keep: tuple[int, list[tuple[np.ndarray, np.ndarray]]] | None = None) -> np.ndarray:
+              keep: tuple[int, list[tuple[np.ndarray, np.ndarray]]] | None = None,
+              pause: Callable[[], None] | None = None) -> np.ndarray:
         """The official Euler solver with classifier-free guidance, float32 (t accumulated as the official loop).
 
         Rows [B, M, T] may be right-padded (mask [B, 1, T] zero there); every row starts from the same fixed
@@ -189,6 +191,7 @@ class Flow:
         frames from `at` on take the noise n frames further on (a bounded re-solve left n frames out there).
         `past` (a prompt state per row, all of F frames): the first F frames are the states', not solved again, and
         the result starts at frame F. `keep` (n, list): each step's state after the first n frames is appended.
+        `pause`, if given, is called before each step (it may block: the caller's turn yields there).
         """
         c = self.config
         preset = preset or self.official
@@ -215,6 +218,8 @@ class Flow:
         plain = {"mask": mask, "mu": mu, "spks": spks, "cond": cond, "streaming": guided["streaming"]}
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, preset.steps + 1):
+            if pause is not None:
+                pause()
             state = _past_feeds(past, step - 1, step <= preset.cfg_steps) | extra
             if step <= preset.cfg_steps:
                 v, *kept = self._estimator.run(outputs, guided | state | {"x": np.concatenate([x, x]),

@@ -23,8 +23,10 @@ it waits for every chunk's work (`decode_yields_always`) unless a stream still w
 (`awaiting_first`, so a newcomer's first audio is not held behind others' later chunks): decode steps and chunk work
 then take turns, each with all the cores, instead of running at once on oversubscribed cores (2 cores, full-size
 CosyVoice2 cpu, each session 2 threads: a decode step beside a looping estimator call took 37-47 ms against 14.5 ms
-alone, and the estimator ran 0.71-0.97 calls/s against 2.2 alone). A stream's decoder runs ahead only while its
-consumer waits for tokens, so it still interleaves with the chunks.
+alone, and the estimator ran 0.71-0.97 calls/s against 2.2 alone). For the same reason a later chunk's flow pauses
+before each estimator step while a stream waits for its first tokens or a first chunk's work runs
+(`yield_to_first`): the newcomer's prefill and first tokens get the cores instead of sharing them with a re-solve.
+A stream's decoder runs ahead only while its consumer waits for tokens, so it still interleaves with the chunks.
 
 First chunks together (`ChunkGate.first_mel`): the stream whose first chunk gets the turn solves, in one flow call,
 the first chunks of every stream waiting then with the same preset and the same lengths (at most `first_batch`);
@@ -203,6 +205,7 @@ class ChunkGate:
 
         with self._cond:
             self._awaiting_first += 1
+            self._cond.notify_all()  # a decode loop held by a later chunk's turn goes on for the newcomer now
         try:
             yield done
         finally:
@@ -244,6 +247,18 @@ class ChunkGate:
                 self._first_running -= 1
                 self._cond.notify_all()
         return job.result()
+
+    def yield_to_first(self) -> None:
+        """Block while a stream waits for the tokens of its first chunk or a first chunk's work runs, where the
+        decoder yields always (CPU). A later chunk's flow calls this before each estimator step: an official later
+        chunk re-solves its whole history (seconds on a small CPU), and a newcomer's prefill and first tokens
+        beside it ran on oversubscribed cores; paused between steps, it leaves them the cores until that first
+        chunk is made. No wait elsewhere: the decode loop runs while a stream awaits first tokens, and a first
+        chunk may start beside the paused turn (`first_beside`), or once `done` ends the wait."""
+        if not self._decode_yields_always:
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._awaiting_first == 0 and self._first_running == 0)
 
     def before_decode_step(self) -> None:
         """Block while chunk work the decode loop yields to is in flow + HiFT: a first chunk's, or with
@@ -287,7 +302,8 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
             else:
                 start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
                 with gate.turn(emitted, began):
-                    mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start)
+                    mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start,
+                                   pause=gate.yield_to_first)
                     chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
             emitted += 1
             yield chunk
@@ -296,6 +312,6 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
         return
     start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
     with gate.turn(emitted, began):
-        mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start)
+        mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start, pause=gate.yield_to_first)
         chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
     yield chunk

@@ -109,10 +109,10 @@ def test_on_a_cpu_decoding_waits_while_any_chunk_is_in_the_flow(engine: Engine, 
     flow, decoder = engine.pipeline._flow, engine.pipeline._decoder
     real_mel, seen = flow.mel, []
 
-    def held_mel(*args):
+    def held_mel(*args, **kwargs):
         before = decoder.stats()["decode_steps"]
         threading.Event().wait(0.3)
-        mel = real_mel(*args)
+        mel = real_mel(*args, **kwargs)
         seen.append(decoder.stats()["decode_steps"] - before)
         return mel
 
@@ -149,6 +149,57 @@ def test_off_a_cpu_only_first_chunks_hold_the_decoder() -> None:
             worker.join(5)
             decode.join(5)
         assert waited == [holds], (always, newcomer)   # True: the step began only after the chunk's turn ended
+
+
+def test_a_newcomer_arriving_during_a_later_chunk_releases_the_held_decode_loop() -> None:
+    """The decode loop already waiting for a later chunk's turn (CPU) goes on as soon as a new stream starts to
+    wait for its first tokens, not when that turn ends: a later chunk paused for the newcomer (`yield_to_first`)
+    would otherwise never end (the deadlock `bench-api` x4 ran into before the newcomer's count notified)."""
+    gate, stepped = ChunkGate(decode_yields_always=True, first_beside=True), []
+    with gate.turn(1, 0.0):
+        decode = threading.Thread(target=lambda: (gate.before_decode_step(), stepped.append(True)))
+        decode.start()
+        decode.join(0.3)
+        assert stepped == []                # held by the later chunk
+        with gate.awaiting_first():
+            decode.join(5)
+            assert stepped == [True]        # while the later chunk's turn is still held
+
+
+def test_on_a_cpu_a_later_chunk_pauses_for_a_newcomers_first_tokens_and_chunk() -> None:
+    """`yield_to_first`, which a later chunk's flow calls before each estimator step: where the decoder yields
+    always (CPU) it blocks while a stream waits for its first tokens and while a first chunk's work runs, and goes
+    on after both; elsewhere it never blocks."""
+    for always in (True, False):
+        gate, passed = ChunkGate(decode_yields_always=always, first_beside=True), []
+
+        def later_step() -> None:
+            gate.yield_to_first()
+            passed.append(True)
+
+        with gate.turn(1, 0.0):     # the later chunk's turn, held across its steps
+            with gate.awaiting_first() as first_done:
+                step = threading.Thread(target=later_step)
+                step.start()
+                step.join(0.3)
+                assert passed == ([] if always else [True]), always
+                first_done()        # the newcomer's tokens are there; its first chunk now runs beside the turn
+                with gate.turn(0, 1.0):
+                    step.join(0.3)
+                    assert passed == ([] if always else [True]), always
+            step.join(5)
+        assert passed == [True]
+
+
+def test_a_later_chunks_flow_yields_before_every_estimator_step(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+    """The stream loop hands `yield_to_first` to every later and final chunk's flow call, and the flow calls it
+    once per Euler step (the official preset: n_timesteps), so a paused turn resumes within one step."""
+    pipeline = engine.pipeline
+    gate, calls, steps = pipeline._chunk_gate, [], pipeline._flow.config.n_timesteps
+    monkeypatch.setattr(gate, "yield_to_first", lambda: calls.append(True))
+    options = pinned(engine.options(voice=VOICE, seed=3, sampling="greedy"), 200)
+    chunks = list(pipeline.stream(engine.segments(TEXT)[0], options))
+    assert len(chunks) >= 3 and len(calls) == steps * (len(chunks) - 1)
 
 
 def test_batch_max_bounds_the_rows_decoded_together(engine: Engine):
