@@ -311,7 +311,8 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
     if not got:
         return
     start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
-    with gate.turn(emitted, began):
-        mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start, pause=gate.yield_to_first)
+    with gate.turn(emitted, began):     # no chunk yet: this turn is a first chunk's, which nothing pauses
+        mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start,
+                       pause=gate.yield_to_first if emitted else None)
         chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
     yield chunk

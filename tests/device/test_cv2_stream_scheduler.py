@@ -202,6 +202,20 @@ def test_a_later_chunks_flow_yields_before_every_estimator_step(engine: Engine, 
     assert len(chunks) >= 3 and len(calls) == steps * (len(chunks) - 1)
 
 
+def test_a_stream_shorter_than_its_first_hop_is_not_paused_by_its_own_turn(engine: Engine):
+    """A segment that ends before its first hop goes straight to its final chunk, whose turn counts as a first
+    chunk's; its flow must not wait in `yield_to_first` for that turn to end (it did: the stream hung). Run in a
+    thread so that a regression fails here instead of hanging the suite."""
+    options = pinned(engine.options(voice=VOICE, seed=3, sampling="greedy"), 10)   # under 25 + 3 tokens
+    chunks: list = []
+    worker = threading.Thread(target=lambda: chunks.extend(engine.pipeline.stream(engine.segments(TEXT)[0], options)),
+                              daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "a stream shorter than its first hop waited for its own turn"
+    assert len(chunks) == 1 and chunks[0].size > 0
+
+
 def test_batch_max_bounds_the_rows_decoded_together(engine: Engine):
     """Three requests at once under batch_max=2: no decode step holds more than two rows."""
     before = dict(engine.pipeline._decoder.stats()["rows_per_step"])
