@@ -74,10 +74,13 @@ class _TorchFlow:
     clock: StageClock
 
     def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
-            preset: object = None, start: int = 0) -> np.ndarray:
-        """The official recipe only: no flow preset, no bounded re-solve."""
+            preset: object = None, start: int = 0, pause: Callable[[], None] | None = None) -> np.ndarray:
+        """The official recipe only: no flow preset, no bounded re-solve. `pause` (the gate's yield of a later
+        chunk) is called once before the solve: the official module's Euler loop has no hook between steps."""
         if preset is not None or start:
             raise ValueError("the PyTorch reference runs the official flow recipe only")
+        if pause is not None:
+            pause()
         with self.clock.timed("flow"):
             return self._mel(prompt, tokens, finalize, streaming)
 
