@@ -10,6 +10,9 @@ round-robin to fill the last batch); the c requests of a batch start together on
 
 * rtf: sum of request latencies / sum of audio seconds (c = 1: compute time / audio time);
 * first_chunk_s_p50/p95: request start (text in) to its first audio chunk (streaming runs; null otherwise);
+* stall_s_p50/p95: per request, the seconds a listener who starts playing at the first chunk waits for later
+  chunks (worker.playback_stall; streaming runs; null otherwise): first audio sooner from smaller first chunks
+  can cost a gap after them, and this shows it;
 * throughput_audio_s_per_s: audio seconds / wall seconds of the batches;
 * stage_s: seconds per stage summed over every request (frontend, llm_prefill, llm_decode, flow, hift); on the
   device they are the wall time of the stage's ORT graph calls, timed by the session factory the worker injects
@@ -108,6 +111,7 @@ class _Run:
     audio_s: float = 0.0
     latency_s: list[float] = field(default_factory=list)
     first_chunk_s: list[float] = field(default_factory=list)
+    stall_s: list[float] = field(default_factory=list)
     decode_steps: int = 0
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     peak_rss_mb: float = 0.0
@@ -118,6 +122,7 @@ class _Run:
         self.audio_s += reply["audio_s"]
         self.latency_s += reply["latency_s"]
         self.first_chunk_s += reply["first_chunk_s"]
+        self.stall_s += reply["stall_s"]
         self.decode_steps += reply["decode_steps"]
         for stage in STAGES:
             self.stage_s[stage] += reply["stage_s"].get(stage, 0.0)
@@ -127,13 +132,15 @@ class _Run:
 
     def row(self, info: dict[str, Any], preset: str, concurrency: int, stream: bool) -> dict[str, Any]:
         audio = self.audio_s or float("nan")
-        first = np.asarray(self.first_chunk_s, np.float64)
+        first, stall = np.asarray(self.first_chunk_s, np.float64), np.asarray(self.stall_s, np.float64)
         streamed = stream and first.size > 0
         return {"backend": info["backend"], "bundle": info["bundle"], "precision": info["precision"], "preset": preset,
                 "concurrency": concurrency, "stream": stream, "audio_s": round(self.audio_s, 3),
                 "wall_s": round(self.wall_s, 3), "rtf": round(sum(self.latency_s) / audio, 4),
                 "first_chunk_s_p50": round(float(np.percentile(first, 50)), 4) if streamed else None,
                 "first_chunk_s_p95": round(float(np.percentile(first, 95)), 4) if streamed else None,
+                "stall_s_p50": round(float(np.percentile(stall, 50)), 4) if streamed else None,
+                "stall_s_p95": round(float(np.percentile(stall, 95)), 4) if streamed else None,
                 "llm_ms_per_token": round(1000 * self.stage_s["llm_decode"] / self.decode_steps, 2)
                 if self.decode_steps else None,
                 "stage_s": {k: round(v, 4) for k, v in self.stage_s.items()},
@@ -220,8 +227,8 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     """The report `{"machine": ..., "runs": [...]}`; the reference (PyTorch, fp32, same release) runs at
     concurrency 1 only, interleaved batch by batch with the device precisions and presets (one run per precision
     and preset; a precision's presets share its worker). `compare` adds (bundle, precision) pairs of other
-    CosyVoice bundles (e.g. CosyVoice2 cpu beside CosyVoice3 cpu) at their default preset, interleaved the same
-    way so their ratios come from one run. `words`: the device runs with word times (their pass is the `align`
+    CosyVoice bundles (e.g. CosyVoice2 cpu beside CosyVoice3 cpu) at each chosen preset they offer (none: their
+    default), interleaved the same way so their ratios come from one run. `words`: the device runs with word times (their pass is the `align`
     stage, `align_cost_pct` its share of the rest of the synthesis). `peer="vox"`: vox-tts on the release of
     `reference` at concurrency 1, stream off. `progress` gets a line per batch."""
     say = progress or (lambda line: None)
@@ -247,11 +254,13 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     if peer is not None:
         workers[PEER] = Worker(PEER, [python, "-m", PEER_WORKER, "--worker", str(reference), "--bundle", str(bundle),
                                       "--threads", str(threads)])
-    # run name -> (worker, preset): every device precision once per preset, a compared bundle at its default
-    # preset, the reference once
-    plan = {(f"{name}/{preset}" if len(chosen_presets) > 1 else name): (name, preset)
-            for name, b, _ in devices if b == bundle for preset in chosen_presets}
-    plan.update({name: (name, _presets(b, None)[0]) for name, b, _ in devices if b != bundle})
+    # run name -> (worker, preset): every device precision once per preset, a compared bundle at each of those
+    # presets it offers (none: its default), the reference once
+    plan = {}
+    for name, b, _ in devices:
+        offered = chosen_presets if b == bundle else (
+            [p for p in chosen_presets if p in _presets(b, ["all"])] or _presets(b, None))
+        plan.update({(f"{name}/{preset}" if len(chosen_presets) > 1 else name): (name, preset) for preset in offered})
     if reference is not None:
         plan["reference"] = ("reference", "official")
     if peer is not None:

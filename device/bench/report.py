@@ -52,8 +52,8 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
     def num(value: Any, digits: int = 3) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
-    header = ("#", "backend", "precision", "preset", "conc", "stream", "audio_s", "wall_s", "rtf", "fc_p50", "fc_p95", "ms/tok",
-              "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "align_s", "align_%", "rss_mb", "audio_s/s")
+    header = ("#", "backend", "precision", "preset", "conc", "stream", "audio_s", "wall_s", "rtf", "fc_p50", "fc_p95",
+              "stall_p95", "ms/tok", "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "align_s", "align_%", "rss_mb", "audio_s/s")
     rows = []
     several = len({r["bundle"] for r in report["runs"] if r["backend"] == "device"}) > 1   # --compare: name them
 
@@ -64,7 +64,8 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
         s = run["stage_s"]
         rows.append((str(index), backend(run), run_precision(run), run.get("preset") or "-", str(run["concurrency"]),
                      "on" if run["stream"] else "off", num(run["audio_s"], 2), num(run["wall_s"], 2), num(run["rtf"]),
-                     num(run["first_chunk_s_p50"]), num(run["first_chunk_s_p95"]), num(run["llm_ms_per_token"], 1),
+                     num(run["first_chunk_s_p50"]), num(run["first_chunk_s_p95"]),
+                     num(run.get("stall_s_p95")), num(run["llm_ms_per_token"], 1),
                      num(s["frontend"]), num(s["llm_prefill"]), num(s["llm_decode"]), num(s["flow"]), num(s["hift"]),
                      num(s.get("align") or None), num(run.get("align_cost_pct"), 2),
                      num(run["peak_rss_mb"], 0), num(run["throughput_audio_s_per_s"])))

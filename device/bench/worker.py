@@ -74,6 +74,17 @@ class Backend:
                 pass
 
 
+def playback_stall(arrivals: Sequence[float], seconds: Sequence[float]) -> float:
+    """Seconds a listener who starts playing at the first chunk waits for later ones: chunk i arrives at
+    `arrivals[i]` and plays for `seconds[i]`, from its arrival or the end of the one before, whichever is later."""
+    stall, end = 0.0, None
+    for arrived, length in zip(arrivals, seconds):
+        if end is not None and arrived > end:
+            stall += arrived - end
+        end = max(arrived, end if end is not None else arrived) + length
+    return stall
+
+
 def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Settings) -> dict[str, Any]:
     """len(texts) requests started together on their own threads; latencies, first chunks, audio, stage times."""
     results: list[dict[str, Any] | None] = [None] * len(texts)
@@ -84,15 +95,17 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
         try:
             barrier.wait()
             start = time.perf_counter()
-            first = None
-            samples = 0
+            arrivals: list[float] = []
+            lengths: list[float] = []
             segments, chunks = backend.synthesize(texts[index], stream, settings, index)
             for chunk in chunks:
-                if first is None and chunk.size:
-                    first = time.perf_counter() - start
-                samples += int(chunk.size)
-            results[index] = {"latency_s": time.perf_counter() - start, "first_chunk_s": first,
-                              "samples": samples, "segments": segments}
+                if chunk.size:
+                    arrivals.append(time.perf_counter() - start)
+                    lengths.append(chunk.size / backend.sample_rate)
+            results[index] = {"latency_s": time.perf_counter() - start,
+                              "first_chunk_s": arrivals[0] if arrivals else None,
+                              "stall_s": playback_stall(arrivals, lengths),
+                              "samples": round(sum(lengths) * backend.sample_rate), "segments": segments}
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the bench
             errors.append(exc)
 
@@ -112,6 +125,7 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
     tokens = sum(r["samples"] for r in rows) // backend.samples_per_token
     return {"wall_s": wall, "latency_s": [r["latency_s"] for r in rows],
             "first_chunk_s": [r["first_chunk_s"] for r in rows if r["first_chunk_s"] is not None],
+            "stall_s": [r["stall_s"] for r in rows if r["first_chunk_s"] is not None],
             "audio_s": sum(r["samples"] for r in rows) / backend.sample_rate,
             "decode_steps": max(tokens - sum(r["segments"] for r in rows), 0),
             "stage_s": backend.clock.take(), "stage_rss_mb": stage_rss,

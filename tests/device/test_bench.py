@@ -16,6 +16,7 @@ from cosyedge.device.bench.clocks import (GRAPH_STAGE, LLMTimedSession, StageClo
                                           timing_factory)
 from cosyedge.device.bench.engine import pass_orders
 from cosyedge.device.bench.report import cosyvoice_table, engine_table
+from cosyedge.device.bench.worker import playback_stall
 from cosyedge.device.sessions import SessionConfig, create_session
 
 STAGE_SUM = {"frontend": 0.0, "llm_prefill": 0.1, "llm_decode": 0.4, "flow": 0.3, "hift": 0.2}
@@ -25,6 +26,7 @@ def _run(backend: str, precision: str, concurrency: int, stream: bool, rtf: floa
     return {"backend": backend, "bundle": "b", "precision": dict.fromkeys(GRAPH_STAGE, precision),
             "concurrency": concurrency, "stream": stream, "audio_s": 2.0, "wall_s": 1.0, "rtf": rtf,
             "first_chunk_s_p50": 0.2 if stream else None, "first_chunk_s_p95": 0.3 if stream else None,
+            "stall_s_p95": 0.125 if stream else None,
             "llm_ms_per_token": 5.0, "stage_s": STAGE_SUM, "peak_rss_mb": 300.0, "throughput_audio_s_per_s": 2.0}
 
 
@@ -119,6 +121,8 @@ def test_tables_number_the_runs_and_compare_with_the_reference():
     table = cosyvoice_table(REPORT)
     lines = table.splitlines()
     assert lines[0].split()[:3] == ["#", "backend", "precision"] and lines[1].split()[:2] == ["1", "device"]
+    stall = lines[0].split().index("stall_p95")
+    assert lines[1].split()[stall] == "0.125" and lines[2].split()[stall] == "-"  # streamed, then stream off
     assert "device fp32 / reference RTF, stream on: 0.500" in table
     assert "device int8 / reference RTF, stream off: 0.250" in table
     vits = {"results": {"cosyedge-fp32": {"rtf": 0.1, "sentences": [{"text": "Hello.", "rtf": 0.1}]}}}
@@ -167,6 +171,15 @@ def test_device_worker_applies_the_preset(cv2_tiny_bundle):
         run_batch(backend, [TEXTS[1]], stream=False, settings=Settings(tokens=3, sampling="greedy", preset=preset))
         calls[preset] = counting.runs["flow_estimator"]
     assert calls == {"official": 10, "fast": 3}
+
+
+def test_playback_stall_counts_the_gaps_a_listener_hears_after_the_first_chunk():
+    """Playback starts at the first chunk; a chunk plays from its arrival or the previous one's end, whichever is
+    later, so a chunk that arrives early adds no gap and a late one adds its lateness."""
+    assert playback_stall([], []) == 0.0
+    assert playback_stall([2.0], [1.0]) == 0.0                                  # the wait for first audio is not a stall
+    assert playback_stall([1.0, 1.5, 4.0], [1.0, 2.0, 1.0]) == 0.0               # each came before the previous ended
+    assert playback_stall([1.0, 3.0, 3.5], [1.0, 0.25, 1.0]) == pytest.approx(1.25)  # 1 s, then 0.25 s
 
 
 def test_multiply_adds_of_products_from_their_shapes():

@@ -14,7 +14,7 @@ import pytest
 from cosyedge.device.cli import main
 
 RUN_KEYS = {"backend", "bundle", "precision", "preset", "concurrency", "stream", "audio_s", "wall_s", "rtf", "first_chunk_s_p50",
-            "first_chunk_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "stage_rss_mb",
+            "first_chunk_s_p95", "stall_s_p50", "stall_s_p95", "llm_ms_per_token", "stage_s", "peak_rss_mb", "stage_rss_mb",
             "throughput_audio_s_per_s", "align_cost_pct"}
 STAGES = {"frontend", "llm_prefill", "llm_decode", "flow", "hift", "align"}
 GRAPHS = {"llm", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"}
@@ -74,13 +74,15 @@ def test_pinned_tokens_fix_the_audio_length(bench):
         assert run["audio_s"] == pytest.approx(requests * TOKENS * SECONDS_PER_TOKEN, abs=1e-3)
 
 
-def test_first_chunk_latency_only_for_streaming_runs(bench):
+def test_first_chunk_latency_and_stall_only_for_streaming_runs(bench):
     report, _ = bench
     for run in report["runs"]:
         if run["stream"]:
             assert 0 < run["first_chunk_s_p50"] <= run["first_chunk_s_p95"]
+            assert 0 <= run["stall_s_p50"] <= run["stall_s_p95"]
         else:
             assert run["first_chunk_s_p50"] is None and run["first_chunk_s_p95"] is None
+            assert run["stall_s_p50"] is None and run["stall_s_p95"] is None
 
 
 def test_reference_runs_beside_the_device_at_concurrency_one(bench, cv2_tiny_bundle):
