@@ -6,7 +6,9 @@ re-solving the whole history): it matches the official implementation's goldens 
 tolerances (float32 round-off of our graphs, not bit-identical). The faster presets trade accuracy for estimator work
 on the same cosine schedule: fewer steps; guidance only on the first steps (the later ones run the conditional row
 alone, half the rows); streaming chunks that re-solve only the prompt plus a window of recent tokens (linear, not
-quadratic, in the utterance length). Each preset's cost and distance from `official` is measured when the bundle
+quadratic, in the utterance length); a first streamed chunk that does not wait for the tokens which would bring
+prompt + first hop to a chunk boundary (`first_hop_pad` off: 0 to hops[0] - 1 fewer decode steps before first audio,
+depending on the voice's prompt length). Each preset's cost and distance from `official` is measured when the bundle
 is built (quantize/cosyvoice2/preset_report.py) and stored in `manifest.quality["presets"]`; a bundle lists in
 `manifest.config["presets"]` only the presets that passed their gate. Bundles written before presets existed get
 the built-in definitions below, marked unmeasured in `describe()`.
@@ -23,11 +25,13 @@ OFFICIAL = "official"
 
 @dataclass(frozen=True)
 class Preset:
-    """One flow recipe. `cfg_steps` >= `steps` means guidance on every step; `stream_window` None: whole history."""
+    """One flow recipe. `cfg_steps` >= `steps` means guidance on every step; `stream_window` None: whole history;
+    `first_hop_pad` the official first hop (padded to a chunk boundary, streaming.py), off: hops[0] tokens."""
     name: str
     steps: int
     cfg_steps: int
     stream_window: int | None = None
+    first_hop_pad: bool = True
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.cfg_steps < 0 or (self.stream_window is not None and self.stream_window < 0):
@@ -51,8 +55,10 @@ class Preset:
     @classmethod
     def from_config(cls, name: str, entry: dict[str, Any]) -> "Preset":
         try:
-            window = entry.get("stream_window")
-            return cls(name, int(entry["steps"]), int(entry["cfg_steps"]), None if window is None else int(window))
+            window, pad = entry.get("stream_window"), entry.get("first_hop_pad", True)
+            if not isinstance(pad, bool):
+                raise TypeError(pad)
+            return cls(name, int(entry["steps"]), int(entry["cfg_steps"]), None if window is None else int(window), pad)
         except (KeyError, TypeError, ValueError, AttributeError):
             raise BundleError(f"manifest config: flow preset {name!r} is malformed; re-create the bundle") from None
 
@@ -65,7 +71,7 @@ def builtin_presets(n_timesteps: int) -> dict[str, Preset]:
     return {OFFICIAL: Preset(OFFICIAL, n_timesteps, n_timesteps),
             "balanced": Preset("balanced", 5, 5, 100),   # half the estimator rows, guidance kept
             "fast": Preset("fast", 3, 2, 50),            # a quarter of the rows
-            "fastest": Preset("fastest", 2, 1, 50)}      # 15 % of the rows
+            "fastest": Preset("fastest", 2, 1, 50, first_hop_pad=False)}  # 15 % of the rows, first audio sooner
 
 
 def bundle_presets(config: dict[str, Any]) -> tuple[dict[str, Preset], str, bool]:

@@ -7,7 +7,8 @@ family's token filter keeps (Fun-CosyVoice3 drops long silent runs). A chunk is 
 reach hop + look-ahead; the flow then re-runs on tokens[:offset + hop + look-ahead] (streaming attention, finalize
 off: the look-ahead tokens are context only) and the new mel starts at ratio * offset. When the LLM stops, one final
 call voices every remaining token (finalize on, full attention). A preset with a `stream_window` re-solves only the
-prompt and a bounded window of recent tokens (presets.py). The family's `ChunkVocoder` turns each chunk's new mel
+prompt and a bounded window of recent tokens (presets.py); one with `first_hop_pad` off drops the pad (first chunk
+after hops[0] tokens, whatever the prompt's length). The family's `ChunkVocoder` turns each chunk's new mel
 into the samples to emit (CosyVoice2: HiFT caches and cross-fade; Fun-CosyVoice3: HiFT re-run on the accumulated
 mel).
 
@@ -89,10 +90,10 @@ class ChunkVocoder(Protocol):
 class ChunkSchedule:
     """Token offsets of one streaming request."""
 
-    def __init__(self, prompt_tokens: int, config: ScheduleConfig) -> None:
+    def __init__(self, prompt_tokens: int, config: ScheduleConfig, pad_first: bool = True) -> None:
         first = config.hops[0]
         self._config = config
-        self._pad = math.ceil(prompt_tokens / first) * first - prompt_tokens
+        self._pad = math.ceil(prompt_tokens / first) * first - prompt_tokens if pad_first else 0
         self._index = 0
         self.offset = 0
 
@@ -278,10 +279,11 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
     in the caller's thread. `vocoder` is the request's own streaming state; `token_filter` (default: keep all)
     says which tokens the flow voices (dropped ones do not count for the schedule). With a `gate`, each chunk's
     flow + HiFT work waits for its turn among the concurrent streams (fewest chunks emitted first). A preset with
-    a `stream_window` re-solves only the prompt and the tokens from `preset.window_start` on (bounded re-solve).
+    a `stream_window` re-solves only the prompt and the tokens from `preset.window_start` on (bounded re-solve);
+    one with `first_hop_pad` off makes its first chunk from hops[0] tokens, unpadded.
     """
     ratio = flow.config.token_mel_ratio
-    schedule = ChunkSchedule(len(prompt.tokens), schedule_config)
+    schedule = ChunkSchedule(len(prompt.tokens), schedule_config, preset.first_hop_pad if preset else True)
     keep = (token_filter or KeepAll()).keep
     gate = gate or ChunkGate()  # a private gate: never waits
     began, emitted = time.monotonic(), 0

@@ -21,7 +21,7 @@ from cosyedge.device.cosyvoice2 import family as cosyvoice2
 from cosyedge.device.cosyvoice2.presets import OFFICIAL, Preset
 from cosyedge.device.cosyvoice2.streaming import stream_tokens
 from cosyedge.device.engine import Engine
-from cosyedge.device.errors import UnknownPresetError
+from cosyedge.device.errors import BundleError, UnknownPresetError
 from cosyedge.device.sessions import SessionConfig, create_session
 from presettools import assert_a_failing_preset_is_not_offered
 
@@ -141,6 +141,38 @@ def test_stream_window_bounds_the_resolve(engine: Engine, counter: Counter) -> N
     widest = 2 * (ratio * (len(prompt.tokens) + 50 + 25 + 100 + pipeline._schedule.lookahead) - kept)
     assert wwork <= calls * widest < work
     assert np.array_equal(official[0], windowed[0]) and np.array_equal(official[1], windowed[1])  # no window yet
+
+
+def test_an_unpadded_first_hop_gives_first_audio_after_the_first_hop_alone(engine: Engine) -> None:
+    """`first_hop_pad` off (the built-in `fastest`): the first chunk leaves after hops[0] + look-ahead tokens, not
+    after the pad that brings prompt + first hop to a chunk boundary; later chunks keep the hops, and the utterance
+    is voiced whole. The voice's pad is not 0, so the padded schedule waits longer. Mutation checked: ChunkSchedule
+    ignoring `pad_first` fails here."""
+    pipeline = engine.pipeline
+    prompt = pipeline._mode_inputs(engine.options(voice=VOICE, deterministic=True)).flow
+    hops, lookahead = pipeline._schedule.hops, pipeline._schedule.lookahead
+    pad = -len(prompt.tokens) % hops[0]
+    assert pad > 0, len(prompt.tokens)
+    tokens = np.random.default_rng(1).integers(0, 6561, 160).tolist()
+    per_token = pipeline._flow.config.token_mel_ratio * pipeline._vocoder.samples_per_frame
+    consumed = {}
+    for preset in (Preset("padded", 2, 1, 50), Preset("unpadded", 2, 1, 50, first_hop_pad=False)):
+        seen: list[int] = []
+        firsts, total = [], 0
+        taken = (seen.append(t) or t for t in tokens)
+        for chunk in stream_tokens(taken, prompt, pipeline._flow, pipeline._vocoder.stream(None), pipeline._schedule,
+                                   preset=preset):
+            firsts.append(len(seen))  # tokens taken when the chunk left
+            total += chunk.size
+        consumed[preset.name] = firsts
+        assert total == len(tokens) * per_token, (preset, total)  # all voiced
+    assert consumed["padded"][:2] == [hops[0] + pad + lookahead, hops[0] + pad + hops[1] + lookahead]
+    assert consumed["unpadded"][:2] == [hops[0] + lookahead, hops[0] + hops[1] + lookahead]
+    assert engine.pipeline._presets["fastest"].first_hop_pad is False  # the built bundle offers it so
+    assert Preset.from_config("x", Preset("x", 2, 1, 50, False).to_config()) == Preset("x", 2, 1, 50, False)
+    assert Preset.from_config("x", {"steps": 2, "cfg_steps": 1}).first_hop_pad  # bundles written before it
+    with pytest.raises(BundleError):
+        Preset.from_config("x", {"steps": 2, "cfg_steps": 1, "first_hop_pad": "no"})
 
 
 def test_unknown_preset_is_an_input_error_with_a_code(engine: Engine) -> None:

@@ -86,7 +86,8 @@ def test_streamed_fastest_differs_from_official_and_costs_fewer_row_frames(count
         chunks = _stream(engine, preset)
         runs[preset] = (chunks, sum(e.row_frames for e in estimators) - before)
     (official, official_work), (fastest, fastest_work) = runs[OFFICIAL], runs["fastest"]
-    assert len(official) >= 4 and [c.shape for c in official] == [c.shape for c in fastest]   # same schedule
+    assert len(official) >= 4 and sum(c.size for c in official) == sum(c.size for c in fastest)
+    assert fastest[0].size < official[0].size  # its first chunk is unpadded (first_hop_pad false): fewer tokens
     assert not np.array_equal(np.concatenate(official), np.concatenate(fastest))
     assert 0 < fastest_work < official_work * 0.25   # 3 of 20 rows per step and the bounded re-solve
 
