@@ -6,10 +6,11 @@ Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision 
   graph: weight-only `MatMulNBits` 8-bit blocks) and the shared key/value cache contract where the head size allows
   (`GraphRules.shared_kv`, llm_shared_kv.py: GroupQueryAttention writes each new position into the cache in place); the flow estimator with dynamic int8 MatMuls (`CPU_FLOW_DYNAMIC`:
   int8 weights per channel, activations quantized per call, the CPU's integer dot-product kernels) and its
-  attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`, attention_fusion.py); the
-  flow encoder is dynamic int8 too where the end-to-end gate allows (else the `int8-estimator` rung keeps it fp32);
-  the HiFT source stays fp32; the HiFT decoder becomes static int8 QDQ with uint8 activations (every convolution
-  fused by ONNX Runtime, `unsigned_activations`) only where its gate passes.
+  attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`, attention_fusion.py) and its
+  Mish activations computed through one Exp (mish_rewrite.py, on every cpu int8 graph); the flow encoder is dynamic
+  int8 too where the end-to-end gate allows (else the `int8-estimator` rung keeps it fp32); the HiFT source stays
+  fp32; the HiFT decoder becomes static int8 QDQ with uint8 activations (every convolution fused by ONNX Runtime,
+  `unsigned_activations`) only where its gate passes.
 * `cpu-int4` (optional, ONNX Runtime CPU): the `cpu` target with 4-bit LLM weights (`MatMulNBits`, blocks of 32,
   symmetric, int8 compute) under their own LLM gate thresholds (gates.PRECISION_THRESHOLDS), falling back to the
   int8 LLM; its flow and HiFT graphs are the `cpu` target's (the same files when both targets are built).
@@ -34,6 +35,7 @@ import onnx
 
 from cosyedge.quantize.cosyvoice2.attention_fusion import fuse_attention
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
+from cosyedge.quantize.cosyvoice2.mish_rewrite import mish_by_exp
 from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_weights_dynamic,
                                                                name_matches, nbits_weights, static_int8_qdq,
                                                                to_fp16, unsigned_activations)
@@ -160,6 +162,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
             unsigned_activations(static_int8_qdq(fp32, dst, calibration or (), exclude), dst)
         if v.graph in rules.fused_attention:
             fuse_attention(dst, dst)
+        mish_by_exp(dst, dst)  # ORT's CPU Softplus is scalar (mish_rewrite.py); a graph without Mish is unchanged
         return dst
     qdq = dst.with_name(f"{dst.stem}.qdq32.onnx")
     static_int8_qdq(fp32, qdq, calibration or (), exclude)

@@ -22,6 +22,7 @@ from cosyedge.device.bundle import Bundle
 from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2 import precision, precision_targets, precision_transforms
 from cosyedge.quantize.cosyvoice2.gates import THRESHOLDS, GateConfig, Gates, session
+from cosyedge.quantize.cosyvoice2.mish_rewrite import mish_by_exp
 
 GRAPHS = ("llm", "llm_align", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
@@ -238,6 +239,38 @@ def test_cpu_static_int8_graph_fuses_every_quantized_conv(fp32, gate_config, tmp
     fast, slow = (_ort(p, ort.GraphOptimizationLevel.ORT_ENABLE_ALL).run(None, feeds)[0] for p in (built, signed))
     rms = {name: float(np.sqrt(np.mean((out - ref) ** 2))) for name, out in (("cpu", fast), ("signed", slow))}
     assert rms["cpu"] < 1.1 * rms["signed"], rms
+
+
+def test_cpu_estimator_computes_mish_through_one_exp(fp32, tmp_path):
+    """The cpu int8 estimator has no Softplus left: each Mish site (Softplus -> Tanh -> Mul, ONNX Runtime's scalar
+    Softplus) is x * t / (t + 2) through one Exp (mish_rewrite.py); the rewrite of the fp32 export equals it within
+    float32 round-off, and at the extremes (overflowing exp, vanishing Mish) it stays finite and exact. Mutation
+    checked: without the call in `build_variant` the cpu graph keeps its Softplus nodes."""
+    source = fp32["flow_estimator"]
+    sites = sum(1 for n in onnx.load(str(source)).graph.node if n.op_type == "Softplus")
+    assert sites >= 2
+    v = precision_targets.variant("cpu", "flow_estimator", "int8")
+    built = precision_targets.build_variant(v, source, tmp_path / "flow_estimator.int8.onnx", None)
+    assert not [n for n in onnx.load(str(built)).graph.node if n.op_type in ("Softplus", "Tanh")]
+    assert mish_by_exp(source, tmp_path / "mish.onnx") == sites
+    feeds = _feeds(source, past=0)
+    np.testing.assert_allclose(session(tmp_path / "mish.onnx").run(None, feeds)[0], session(source).run(None, feeds)[0],
+                               rtol=0, atol=1e-5)
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [9])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [9])
+    mish = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Softplus", ["x"], ["s"], name="/m/Softplus"),
+         onnx.helper.make_node("Tanh", ["s"], ["t"], name="/m/Tanh"),
+         onnx.helper.make_node("Mul", ["t", "x"], ["y"], name="/m/Mul")], "mish", [x], [y]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    onnx.save(mish, str(tmp_path / "site.onnx"))
+    assert mish_by_exp(tmp_path / "site.onnx", tmp_path / "site_exp.onnx") == 1
+    values = np.array([-1e4, -90, -20, -1, 0, 0.5, 20, 90, 1e4], np.float32)
+    got = session(tmp_path / "site_exp.onnx").run(None, {"x": values})[0]
+    wide = values.astype(np.float64)
+    want = wide * np.tanh(np.logaddexp(0.0, wide))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
 
 
 def _flip_one_layer(path: Path, op_type: str, pattern: str) -> None:
