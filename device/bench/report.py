@@ -53,7 +53,8 @@ def cosyvoice_table(report: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     header = ("#", "backend", "precision", "preset", "conc", "stream", "audio_s", "wall_s", "rtf", "fc_p50", "fc_p95",
-              "stall_p95", "ms/tok", "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "align_s", "align_%", "rss_mb", "audio_s/s")
+              "stall_p95", "ms/tok", "front_s", "prefill_s", "decode_s", "flow_s", "hift_s", "align_s", "align_%",
+              "rss_mb", "audio_s/s")
     rows = []
     several = len({r["bundle"] for r in report["runs"] if r["backend"] == "device"}) > 1   # --compare: name them
 

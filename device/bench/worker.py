@@ -96,16 +96,16 @@ def run_batch(backend: Backend, texts: Sequence[str], stream: bool, settings: Se
             barrier.wait()
             start = time.perf_counter()
             arrivals: list[float] = []
-            lengths: list[float] = []
+            sizes: list[int] = []
             segments, chunks = backend.synthesize(texts[index], stream, settings, index)
             for chunk in chunks:
                 if chunk.size:
                     arrivals.append(time.perf_counter() - start)
-                    lengths.append(chunk.size / backend.sample_rate)
+                    sizes.append(int(chunk.size))
             results[index] = {"latency_s": time.perf_counter() - start,
                               "first_chunk_s": arrivals[0] if arrivals else None,
-                              "stall_s": playback_stall(arrivals, lengths),
-                              "samples": round(sum(lengths) * backend.sample_rate), "segments": segments}
+                              "stall_s": playback_stall(arrivals, [size / backend.sample_rate for size in sizes]),
+                              "samples": sum(sizes), "segments": segments}
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which stops the bench
             errors.append(exc)
 

@@ -12,29 +12,26 @@ apart it is the same function (max error 9.5e-7 against float64 on N(0, 3) input
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from cosyedge.quantize.cosyvoice2.graph_index import GraphIndex, finish
+
 CLAMP = 20.0  # e^20 squared is far inside float32; tanh(softplus(20)) is 1.0 in float32
-
-
-def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
-    users: dict[str, list[onnx.NodeProto]] = defaultdict(list)
-    for node in graph.node:
-        for name in node.input:
-            users[name].append(node)
-    return users
 
 
 def mish_by_exp(src: Path, dst: Path) -> int:
     """Rewrite the Mish sites of `src` into `dst` (in place when they are the same path); returns how many."""
     model = onnx.load(str(src))
     graph = model.graph
-    users = _consumers(graph)
+    if not any(node.op_type == "Softplus" for node in graph.node):  # no Mish here: nothing to index or rewrite
+        if Path(src) != Path(dst):
+            finish(model, dst)
+        return 0
+    users = GraphIndex(model).consumers
     outputs = {o.name for o in graph.output}
     replaced: dict[str, list[onnx.NodeProto]] = {}  # Softplus name -> the nodes standing in for its site
     dropped: set[str] = set()
@@ -42,11 +39,11 @@ def mish_by_exp(src: Path, dst: Path) -> int:
         if softplus.op_type != "Softplus":
             continue
         x, soft = softplus.input[0], softplus.output[0]
-        tanhs = users[soft]
+        tanhs = users.get(soft, [])
         if len(tanhs) != 1 or tanhs[0].op_type != "Tanh" or soft in outputs:
             continue
         tanh = tanhs[0]
-        muls = users[tanh.output[0]]
+        muls = users.get(tanh.output[0], [])
         if len(muls) != 1 or muls[0].op_type != "Mul" or tanh.output[0] in outputs \
                 or sorted(muls[0].input) != sorted([x, tanh.output[0]]):
             continue
@@ -73,5 +70,5 @@ def mish_by_exp(src: Path, dst: Path) -> int:
         graph.node.extend(nodes)
         graph.initializer.extend([numpy_helper.from_array(np.array(CLAMP, np.float32), "mish_clamp"),
                                   numpy_helper.from_array(np.array(2.0, np.float32), "mish_two")])
-    onnx.save(model, str(dst))
+    finish(model, dst)
     return len(replaced)
