@@ -191,7 +191,12 @@ class Listener:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.AbstractServer | None = None
         self._over: asyncio.Future[None] | None = None  # done once drained: `serve` returns
-        self._draining: asyncio.Task[bool] | None = None
+        self._draining: asyncio.Task[None] | None = None
+        # whether the drain cut nothing; set by the drain itself before `serve` returns, so a caller in another
+        # thread hears it even though the loop stops at once after (a future chained from a task of the loop
+        # was left unset when the loop stopped first: a reload waited out its whole timeout)
+        self._drained: concurrent.futures.Future[bool] | None = None
+        self._drain_lock = threading.Lock()
 
     async def serve(self, uri: str, started: Callable[[int], None] = lambda port: None,
                     zeroconf: str | None = None) -> None:
@@ -237,18 +242,20 @@ class Listener:
         is refused), let every connection finish what it holds in flight, taking nothing new (`shutting_down`),
         then close it; those still busy after `timeout` are cut (what they held is dead-lettered). The future
         says whether none was cut."""
-        if self.loop is None or self.loop.is_closed() or (self._over is not None and self._over.done()):
-            done: concurrent.futures.Future[bool] = concurrent.futures.Future()
-            done.set_result(True)
-            return done
-        return asyncio.run_coroutine_threadsafe(self._drain(timeout), self.loop)
+        with self._drain_lock:
+            if self._drained is not None:
+                return self._drained
+            self._drained = concurrent.futures.Future()
+            if self.loop is None or self.loop.is_closed() or (self._over is not None and self._over.done()):
+                self._drained.set_result(True)
+            else:
+                self.loop.call_soon_threadsafe(self._start_drain, timeout)
+            return self._drained
 
-    async def _drain(self, timeout: float) -> bool:
-        if self._draining is None:
-            self._draining = asyncio.ensure_future(self._drain_once(timeout))
-        return await asyncio.shield(self._draining)
+    def _start_drain(self, timeout: float) -> None:
+        self._draining = asyncio.ensure_future(self._drain_once(timeout))
 
-    async def _drain_once(self, timeout: float) -> bool:
+    async def _drain_once(self, timeout: float) -> None:
         assert self._server is not None and self._over is not None
         self._server.close()
         for connection in self.connections:
@@ -260,9 +267,10 @@ class Listener:
                 connection.cut(ShuttingDown())
         if late:
             await asyncio.wait(late, timeout=LINGER_S)
+        assert self._drained is not None
+        self._drained.set_result(not late)
         if not self._over.done():
             self._over.set_result(None)
-        return not late
 
 
 def start_in_thread(listener: Listener, uri: str) -> Listener:

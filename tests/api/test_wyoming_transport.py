@@ -19,6 +19,8 @@ import pytest
 import requests
 
 from cosyedge.api.bench.harness import ServiceProcess, http_status
+from cosyedge.api.config import ServiceConfig
+from cosyedge.api.wyoming_transport import Connection, Listener, start_in_thread
 from cosyedge.api.journal import DEAD_LETTER, read_jsonl
 from wyoming.audio import AudioChunk
 from wyoming.error import Error
@@ -167,10 +169,34 @@ def test_wyoming_beside_serve_is_drained_with_the_worker(how, default_bundle_pat
         if how == "reload":  # the next worker, on the new bundle, speaks on the same port
             _wait_until("ready again", lambda: http_status(service.url, "/readyz", timeout=2) == 200)
             _wait_until("Wyoming again", lambda: _run(_new_connection(port)) == "info")
+            assert "still under way" not in service.log_tail(), service.log_tail()  # the drain's end was heard
         else:
             assert service.proc.wait(T) == 0, service.log_tail()
         dead = read_jsonl(service.log_path.parent / "state" / DEAD_LETTER)
         assert dead == [], dead  # nothing accepted was lost
+
+
+def test_the_end_of_a_drain_is_heard_by_the_thread_that_asked(tmp_path):
+    """`Listener.drain` from another thread (the worker's reload or exit) hears when the drain is over, though
+    the listener's loop stops right after it: before, the answer was chained from a task of a loop that stopped
+    first, so a reload with Wyoming beside `serve` waited out its whole timeout (60 s) before the new worker."""
+    class Quiet(Connection):  # the transport alone: takes every event, starts nothing
+        async def handle_event(self, event: Event) -> bool:
+            return True
+
+    config = ServiceConfig()
+    listener = start_in_thread(Listener(lambda reader, writer: Quiet(config, reader, writer), config),
+                               f"tcp://127.0.0.1:{_free_port()}")
+    idle = socket.create_connection(("127.0.0.1", listener.port), timeout=T)  # holds nothing in flight
+    try:
+        _wait_until("the connection is counted", lambda: len(listener.connections) == 1)
+        assert listener.drain(T).result(timeout=10) is True  # nothing was cut
+        assert listener.drain(1).result(timeout=1) is True  # asked again: the same answer, at once
+        said = idle.recv(1 << 16)
+        assert b'"shutting_down"' in said, said  # the idle client was told, then closed
+    finally:
+        idle.close()
+    assert listener.loop is not None and not listener.loop.is_running()
 
 
 def _in_flight(service: ServiceProcess) -> float:
