@@ -3,7 +3,7 @@
 Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision targets"):
 
 * `cpu` (ONNX Runtime CPU): LLM graphs with int8 weights (`CPU_LLM_METHOD`, chosen by measurement on the full-size
-  graph: weight-only `MatMulNBits` 8-bit blocks) and the shared key/value cache contract where the head size allows
+  graph: int8 weight products with each activation row quantized on its own, llm_row_int8.py) and the shared key/value cache contract where the head size allows
   (`GraphRules.shared_kv`, llm_shared_kv.py: GroupQueryAttention writes each new position into the cache in place); the flow estimator with dynamic int8 MatMuls (`CPU_FLOW_DYNAMIC`:
   int8 weights per channel, activations quantized per call, the CPU's integer dot-product kernels) and its
   attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`, attention_fusion.py) and its
@@ -34,17 +34,21 @@ import numpy as np
 import onnx
 
 from cosyedge.quantize.cosyvoice2.attention_fusion import fuse_attention
+from cosyedge.quantize.cosyvoice2.llm_row_int8 import int8_rows_dynamic
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
 from cosyedge.quantize.cosyvoice2.mish_rewrite import mish_by_exp
 from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_weights_dynamic,
                                                                name_matches, nbits_weights, static_int8_qdq,
                                                                to_fp16, unsigned_activations)
 
-# The cpu LLM: weight-only MatMulNBits, whose kernel quantizes activations per row and block, so the rows of a decode
-# step batched across requests stay independent. "dynamic" (MatMulInteger: one activation scale per call) measured
-# faster and smaller at full size with the shared cache than 8-bit blocks of 32 (prefill 133-257 against 501-554
-# ms, decode step 20-21 against 27-29 ms, 361 against 512 MB), but one request's rows would change another's.
-CPU_LLM_METHOD = "matmul_nbits"
+# The cpu LLM's int8 weight products (the speech-token head stays float). "dynamic_rows" (llm_row_int8.py): int8
+# weights per column, each activation row quantized on its own for ONNX Runtime's integer kernel, so the rows of a
+# decode step batched across requests stay exactly independent; measured at full size with the shared cache against
+# "matmul_nbits" (weight-only MatMulNBits 8-bit, blocks of 128): prefill 142-186 against 344-351 ms, a 4-row step
+# 22-23 against 29-32 ms, 378 against 415 MB, a lone row's step 19-21 against 18-20 ms. ORT's own dynamic int8
+# (one activation scale per call) is not offered: one request's rows would change another's.
+CPU_LLM_METHOD = "dynamic_rows"
+CPU_LLM_METHODS = {"matmul_nbits": nbits_weights, "dynamic_rows": int8_rows_dynamic}
 # The cpu flow estimator: ORT dynamic int8 on its constant-weight MatMuls (MatMulInteger with activations quantized
 # per call, fused to DynamicQuantizeMatMul by ORT), measured 1.33x faster per 250-token call than the static QDQ
 # graph at full size (whose unfused DequantizeLinear nodes eat the int8 gain); attention products and convolutions
@@ -151,7 +155,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
         if v.precision == "int4":
             nbits_weights(source, dst, exclude, bits=4)
         else:
-            {"matmul_nbits": nbits_weights, "dynamic": int8_weights_dynamic}[cpu_llm_method](source, dst, exclude)
+            CPU_LLM_METHODS[cpu_llm_method](source, dst, exclude)
         if source != fp32:
             source.unlink()
         return dst
@@ -198,7 +202,7 @@ KEEP_FP32: dict[str, dict[str, frozenset[str]]] = {
 }
 # A stage of the cpu target that may silently stay fp32 when int8 misses the gate (HiFT: int8 only if it is fine).
 OPTIONAL_INT8 = {"cpu": frozenset({"hift"}), "cpu-int4": frozenset({"hift"})}
-# Targets whose int8 LLM is weight-only (`CPU_LLM_METHOD`, recorded as `llm_int8` in the manifest).
+# Targets whose int8 LLM is built by `CPU_LLM_METHOD` (recorded as `llm_int8` in the manifest).
 CPU_TARGETS = ("cpu", "cpu-int4")
 # For trt-int8 the flow encoder is fp16 (it runs once per request; its int8 gain is small).
 INT8_AS_FP16 = {"trt-int8": frozenset({"flow_encoder"})}

@@ -118,16 +118,12 @@ def test_gpu_fp16_passes_every_stage_gate(bundle):
 
 
 def test_cpu_target_has_int8_llm_weights(bundle):
-    """The LLM passes its gate at int8 on tiny (KL ~0.004 nats, decisive top-1 ~0.98) with 8-bit MatMulNBits in
-    blocks of 128 K values (padded where K is smaller, as on tiny)."""
+    """The LLM passes its gate at int8 on tiny with int8 weight products whose activations are quantized row by
+    row (MatMulIntegerToFloat on uint8 rows, llm_row_int8.py; test_cv2_llm_rows.py checks the rows' independence)."""
     cpu = bundle.manifest.config["targets"]["cpu"]
     assert cpu["stages"]["llm"] == "int8"
     model = onnx.load(str(bundle.path(bundle.component("llm", "int8").file)))
-    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    attrs = {(a.name, onnx.helper.get_attribute_value(a)) for n in nbits for a in n.attribute
-             if a.name in ("bits", "block_size")}
-    assert nbits and attrs == {("bits", 8), ("block_size", precision_transforms.NBITS_BLOCKS[8])}
-    assert precision_transforms.NBITS_BLOCKS[8] == 128
+    assert any(n.op_type == "MatMulIntegerToFloat" for n in model.graph.node)
     assert not any(n.op_type == "MatMul" and "proj" in n.name for n in model.graph.node)   # every projection int8
     assert any(n.op_type == "Gemm" and n.name.startswith("/llm_decoder/") for n in model.graph.node)  # head float
     assert cpu["graphs"]["hift_source"]["precision"] == "fp32" and cpu["graphs"]["flow_encoder"]["precision"] == "fp32"
@@ -277,16 +273,13 @@ def _flip_one_layer(path: Path, op_type: str, pattern: str) -> None:
     """Negate the weights of the first `op_type` node whose name contains `pattern` (a broken quantizer)."""
     model = onnx.load(str(path))
     inits = {t.name: t for t in model.graph.initializer}
+    integer = op_type.startswith("MatMulInteger")  # MatMulInteger, MatMulIntegerToFloat: int8 weights second
     node = next(n for n in model.graph.node if n.op_type == op_type and pattern in n.input[0] + n.name
-                and (op_type == "MatMulNBits" or n.input[0 if op_type != "MatMulInteger" else 1] in inits))
-    if op_type == "MatMulInteger":  # symmetric int8 weights: -q negates
+                and n.input[1 if integer else 0] in inits)
+    if integer:  # symmetric int8 weights: -q negates
         tensor = inits[node.input[1]]
         q = onnx.numpy_helper.to_array(tensor).astype(np.int32)
         tensor.CopyFrom(onnx.numpy_helper.from_array(np.clip(-q, -127, 127).astype(np.int8), tensor.name))
-    elif op_type == "MatMulNBits":  # uint8 around zero point 128: 256 - q negates
-        tensor = inits[node.input[1]]
-        q = onnx.numpy_helper.to_array(tensor).astype(np.int32)
-        tensor.CopyFrom(onnx.numpy_helper.from_array(np.clip(256 - q, 0, 255).astype(np.uint8), tensor.name))
     else:  # DequantizeLinear of a weight (its own scale; activation scales are shared with their Q): negative scale
         tensor = inits[node.input[1]]
         tensor.CopyFrom(onnx.numpy_helper.from_array(-onnx.numpy_helper.to_array(tensor), tensor.name))
@@ -311,7 +304,7 @@ def broken(monkeypatch):
 
 
 def test_broken_llm_quantization_is_rejected_naming_the_stage(fp32, gate_config, tmp_path, broken):
-    broken("llm", "MatMulNBits", "/layers.0/mlp/down_proj/")
+    broken("llm", "MatMulIntegerToFloat", "/layers.0/mlp/down_proj/")
     with pytest.raises(ReleaseError, match=r"quality gate: stage 'llm' of target 'cpu' at int8 failed \(.*mean_kl"):
         precision.build_targets(["cpu"], fp32, tmp_path, gate_config)
 
@@ -323,7 +316,7 @@ def test_broken_flow_quantization_is_rejected_naming_the_stage(fp32, gate_config
 
 
 def test_allow_fallback_keeps_a_broken_stage_at_fp32(fp32, gate_config, tmp_path, broken):
-    broken("llm", "MatMulNBits", "/layers.0/mlp/down_proj/")
+    broken("llm", "MatMulIntegerToFloat", "/layers.0/mlp/down_proj/")
     result = precision.build_targets(["cpu"], fp32, tmp_path, gate_config, allow_fallback=True)
     report = result.quality["cpu"]["llm"]
     assert result.targets["cpu"]["stages"]["llm"] == "fp32"

@@ -8,7 +8,7 @@ heads of 16 channels, the smallest head GroupQueryAttention runs) with the modul
 (gates.THRESHOLDS; no --allow-fallback, nothing overridden). The bundle is built once for the module, in process
 (torch on one thread: tests/quantize/conftest.py); then for each target:
 
-* the manifest puts every stage the target quantizes at int8 (cpu: MatMulNBits LLM with the shared key/value
+* the manifest puts every stage the target quantizes at int8 (cpu: int8 LLM (rows quantized alone) with the shared key/value
   cache (GroupQueryAttention), dynamic int8 flow encoder and estimator (fused attention), QDQ HiFT decoder; trt-int8: the
   `trt_*` QDQ graphs), each with a passed gate report and no fallback, and those files hold quantized operators;
 * the runtime opens exactly those files (every ONNX Runtime session it creates is recorded) and never the fp32
@@ -113,8 +113,8 @@ def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
         for graph, ref in _quantized(target).items():   # the files themselves are quantized
             model = onnx.load(str(bundle.path(bundle.component(ref["component"], "int8").file)))
             ops = {n.op_type for n in model.graph.node}
-            if target == "cpu" and graph == "llm":       # weight-only 8-bit, shared key/value cache
-                assert {"MatMulNBits", "GroupQueryAttention"} <= ops, (target, graph)
+            if target == "cpu" and graph == "llm":       # int8 weights, rows quantized alone, shared key/value cache
+                assert {"MatMulIntegerToFloat", "GroupQueryAttention"} <= ops, (target, graph)
             elif target == "cpu" and graph in ("flow_encoder", "flow_estimator"):  # dynamic int8: integer kernels
                 assert {"MatMulInteger", "DynamicQuantizeLinear"} <= ops, (target, graph)
                 assert any(t.data_type == onnx.TensorProto.INT8 for t in model.graph.initializer), (target, graph)

@@ -75,7 +75,7 @@ def test_manifest_lists_each_target_with_its_gate_reports(bundle: Bundle) -> Non
                        for a in report["attempts"]), (target, stage)
     assert targets["gpu-fp16"]["stages"] == {"llm": "fp16", "flow": "fp16", "hift": "fp16"}   # no fallback
     assert targets["cpu"]["stages"]["llm"] == "int8"
-    assert targets["cpu"]["llm_int8"] == "matmul_nbits"
+    assert targets["cpu"]["llm_int8"] == "dynamic_rows"
     # the dynamic int8 DiT passes the flow gate, but these chaotic weights turn its error into an end-to-end MCD
     # past the gate: the cpu flow falls back and says why (test_cv3_quantized_load.py runs the int8 DiT)
     flow, e2e = manifest.quality["cpu"]["flow"], manifest.quality["cpu"]["e2e"]

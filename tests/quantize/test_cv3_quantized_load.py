@@ -69,7 +69,7 @@ def test_cpu_llm_and_dit_are_quantized_and_passed_their_gates(bundle):
             report["attempts"][0]["thresholds"] == THRESHOLDS[stage], stage
     assert quality["e2e"]["attempts"][-1]["passed"]
     assert cpu["graphs"]["flow_encoder"]["precision"] == "fp32"            # CV3_RULES.cpu_fp32
-    assert {"MatMulNBits", "GroupQueryAttention"} <= _ops(bundle, "llm")
+    assert {"MatMulIntegerToFloat", "GroupQueryAttention"} <= _ops(bundle, "llm")
     dit = _ops(bundle, "flow_estimator")
     assert {"MatMulInteger", "DynamicQuantizeLinear", "MultiHeadAttention"} <= dit and "QuantizeLinear" not in dit
 
