@@ -12,10 +12,35 @@ non-final chunk keeps its last `crossfade_samples` samples back for the next cro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import onnxruntime as ort
+
+
+# Stream-off HiFT decoding in windows (`Vocoder.render`). The decoder's memory grows with its input: 0.27 MB per mel
+# frame at 0.5B (the int8 decoder, 2 threads: +134 MB over a 10 s call, +29 MB over 2 s), from its full-rate
+# activations and convolution buffers. Its receptive field is under 16 mel frames: with 16 frames of context
+# either side a window's samples equal one whole call's bit for bit (fp32 and int8 decoders at full size; 12
+# frames still differ by 7e-4); 24 keeps a margin. 250 frames = 5 s: a 10 s segment decodes 1.1x the frames.
+WINDOW_FRAMES = 250
+CONTEXT_FRAMES = 24
+
+
+def decode_in_windows(decode: Callable[[np.ndarray, np.ndarray], np.ndarray], mel: np.ndarray, source: np.ndarray,
+                      samples_per_frame: int, width: int, before: int, after: int) -> np.ndarray:
+    """A HiFT decoder over [1, M, T] `mel` and its source, `width` frames kept per call, each call decoding from
+    `before` frames earlier to `after` past its end (within the mel): [T * U] samples, equal to one call's when
+    `before` and `after` cover the decoder's reach (both families' whole-mel rendering)."""
+    frames, u = mel.shape[2], samples_per_frame
+    speech = np.empty(frames * u, np.float32)
+    for begin in range(0, frames, width):
+        end = min(begin + width, frames)
+        start, stop = max(begin - before, 0), min(end + after, frames)
+        window = decode(np.ascontiguousarray(mel[:, :, start:stop]),
+                        np.ascontiguousarray(source[:, :, start * u:stop * u]))
+        speech[begin * u:end * u] = window[0, (begin - start) * u:(end - start) * u]
+    return speech
 
 
 @dataclass(frozen=True)
@@ -62,9 +87,17 @@ class Vocoder:
         return speech
 
     def render(self, mel: np.ndarray, noise: np.random.Generator | None) -> np.ndarray:
-        """[1, M, T] mel -> [T * U] float32 waveform (non-streaming); noise None: the NSF noise switched off."""
+        """[1, M, T] mel -> [T * U] float32 waveform (non-streaming); noise None: the NSF noise switched off. The
+        source is made for the whole mel (its phase runs on from sample to sample); past `WINDOW_FRAMES` the
+        decoder runs window by window, each with `CONTEXT_FRAMES` of mel and source either side, and keeps its
+        own frames' samples: the same samples as one call, in bounded memory."""
         mel = np.ascontiguousarray(mel, np.float32)
-        return self.decode(mel, self.source(mel, noise))[0]
+        source = self.source(mel, noise)
+        frames, per_frame = mel.shape[2], self.samples_per_frame
+        if frames <= WINDOW_FRAMES:
+            return self.decode(mel, source)[0]
+        width = -(-frames // -(-frames // WINDOW_FRAMES))  # equal windows, none longer than WINDOW_FRAMES
+        return decode_in_windows(self.decode, mel, source, per_frame, width, CONTEXT_FRAMES, CONTEXT_FRAMES)
 
     def stream(self, noise: np.random.Generator | None) -> "VocoderStream":
         return VocoderStream(self, self.cache, noise)

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
+from cosyedge.device.cosyvoice2.vocoder import decode_in_windows
 from cosyedge.device.errors import BundleError, InputError
 
 GROW_SECONDS = 60  # the noise grows a minute at a time
@@ -120,15 +121,8 @@ class Vocoder3:
         u = self.samples_per_frame
         mel = np.ascontiguousarray(mel, np.float32)
         source, _f0 = self._source.run(None, {"mel": mel, "sine_noise": self._noise.rows(frames * u)})
-        pieces = []
-        for begin in range(0, frames, RENDER_WINDOW):
-            end = min(begin + RENDER_WINDOW, frames)
-            start = max(0, begin - self._history_frames)
-            stop = frames if end == frames else min(frames, end + self._conv_pre_lookahead + 1)
-            (speech,) = self._decoder.run(None, {"mel": np.ascontiguousarray(mel[:, :, start:stop]),
-                                                 "source": np.ascontiguousarray(source[:, :, start * u:stop * u])})
-            pieces.append(speech[0, (begin - start) * u:(end - start) * u])
-        return np.concatenate(pieces)
+        return decode_in_windows(lambda m, s: self._decoder.run(None, {"mel": m, "source": s})[0], mel, source, u,
+                                 RENDER_WINDOW, self._history_frames, self._conv_pre_lookahead + 1)
 
     def stream(self, noise: np.random.Generator | None) -> "RerunStream":
         return RerunStream(self, self.samples_per_frame, self._history_frames)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from cosyedge.device.cosyvoice2.streaming import stream_tokens
-from cosyedge.device.cosyvoice2.vocoder import VocoderStream
+from cosyedge.device.cosyvoice2.vocoder import CONTEXT_FRAMES, WINDOW_FRAMES, VocoderStream
 from cosyedge.device.engine import Engine
 from cosyedge.device.errors import InputError
 from cosyedge.device.options import SynthesisOptions
@@ -407,3 +407,28 @@ def test_a_bundle_with_the_old_two_llm_graphs_is_refused_with_a_rebuild_hint(cv2
                              "--out", str(tmp_path / "x.wav")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "has no graph 'llm'" in result.stderr and "re-create it with cosyedge quantize" in result.stderr
+
+
+def test_a_long_mel_is_vocoded_in_windows_with_the_samples_of_one_call(engine: Engine) -> None:
+    """Past WINDOW_FRAMES the stream-off HiFT decodes window by window (bounded memory): 700 frames (14 s) go in
+    three windows, none wider than the window and its context, and the samples equal one whole decoder call's."""
+    vocoder = engine.pipeline._vocoder
+    frames = 700
+    assert frames > 2 * WINDOW_FRAMES
+    mel = (np.random.default_rng(0).standard_normal((1, 80, frames)) * 2 - 6).astype(np.float32)
+    whole = vocoder.decode(mel, vocoder.source(mel, None))[0]
+    widths: list[int] = []
+    decode = vocoder.decode
+
+    def counted(mel: np.ndarray, source: np.ndarray) -> np.ndarray:
+        widths.append(mel.shape[2])
+        return decode(mel, source)
+
+    vocoder.decode = counted  # type: ignore[method-assign]
+    try:
+        windowed = vocoder.render(mel, None)
+    finally:
+        del vocoder.decode
+    assert len(widths) == 3 and max(widths) <= WINDOW_FRAMES + 2 * CONTEXT_FRAMES, widths
+    assert windowed.shape == whole.shape and np.abs(whole).max() > 0
+    np.testing.assert_array_equal(windowed, whole)
