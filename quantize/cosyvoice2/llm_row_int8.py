@@ -38,7 +38,10 @@ def int8_rows_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> int:
     graph = model.graph
     index = GraphIndex(model)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    if opset >= 18:  # the exports are opset 17 (onnx_export.ONNX_OPSET); ReduceMax's axes became an input at 18
+        raise ValueError(f"row quantization writes opset-17 ReduceMax; the graph is opset {opset}")
     rows: dict[str, tuple[str, str]] = {}  # activation -> (its uint8 rows, their scales): shared by its products
+    quantized: set[str] = set()  # weights already in int8 (a weight shared by two products is stored once)
     nodes: list[onnx.NodeProto] = []
     constants: list[onnx.TensorProto] = []
     uses = {name: len(users) for name, users in index.consumers.items()}
@@ -50,13 +53,15 @@ def int8_rows_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> int:
             continue
         x = node.input[0]
         if x not in rows:
-            rows[x] = _quantize_rows(x, f"{node.name}/quantize_rows", opset, nodes)
+            rows[x] = _quantize_rows(x, f"{node.name}/quantize_rows", nodes)
         q, scale = rows[x]
-        w = numpy_helper.to_array(weight).astype(np.float32)
-        w_scale = np.maximum(np.abs(w).max(axis=0), np.float32(1e-12)) / np.float32(127)
-        w_q = np.clip(np.rint(w / w_scale), -127, 127).astype(np.int8)
-        constants += [numpy_helper.from_array(w_q, f"{weight.name}/int8"),
-                      numpy_helper.from_array(w_scale.astype(np.float32), f"{weight.name}/scale")]
+        if weight.name not in quantized:
+            quantized.add(weight.name)
+            w = numpy_helper.to_array(weight).astype(np.float32)
+            w_scale = np.maximum(np.abs(w).max(axis=0), np.float32(1e-12)) / np.float32(127)
+            w_q = np.clip(np.rint(w / w_scale), -127, 127).astype(np.int8)
+            constants += [numpy_helper.from_array(w_q, f"{weight.name}/int8"),
+                          numpy_helper.from_array(w_scale.astype(np.float32), f"{weight.name}/scale")]
         p = f"{node.name}/rows"
         nodes += [helper.make_node("MatMulIntegerToFloat",
                                    [q, f"{weight.name}/int8", "rows_one", f"{weight.name}/scale", "rows_zero"],
@@ -73,21 +78,17 @@ def int8_rows_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> int:
             numpy_helper.from_array(np.array(1.0, np.float32), "rows_one"),
             numpy_helper.from_array(np.array(1 / 127, np.float32), "rows_per_level"),
             numpy_helper.from_array(np.array(1e-12, np.float32), "rows_tiny"),
-            numpy_helper.from_array(np.array(ZERO_POINT, np.uint8), "rows_zero"),
-            *([numpy_helper.from_array(np.array([-1], np.int64), "rows_axis")] if opset >= 18 else [])])
+            numpy_helper.from_array(np.array(ZERO_POINT, np.uint8), "rows_zero")])
         if not any(o.domain == MS_DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     finish(model, dst)
     return count
 
 
-def _quantize_rows(x: str, p: str, opset: int, nodes: list[onnx.NodeProto]) -> tuple[str, str]:
+def _quantize_rows(x: str, p: str, nodes: list[onnx.NodeProto]) -> tuple[str, str]:
     """Append the nodes that quantize `x` row by row; returns (uint8 rows, their scales [..., 1])."""
-    reduce = (helper.make_node("ReduceMax", [f"{p}/abs", "rows_axis"], [f"{p}/max"], keepdims=1, name=f"{p}/ReduceMax")
-              if opset >= 18 else
-              helper.make_node("ReduceMax", [f"{p}/abs"], [f"{p}/max"], axes=[-1], keepdims=1, name=f"{p}/ReduceMax"))
     nodes += [helper.make_node("Abs", [x], [f"{p}/abs"], name=f"{p}/Abs"),
-              reduce,
+              helper.make_node("ReduceMax", [f"{p}/abs"], [f"{p}/max"], axes=[-1], keepdims=1, name=f"{p}/ReduceMax"),
               helper.make_node("Mul", [f"{p}/max", "rows_per_level"], [f"{p}/level"], name=f"{p}/Mul"),
               helper.make_node("Max", [f"{p}/level", "rows_tiny"], [f"{p}/scale"], name=f"{p}/Max"),  # a zero row
               helper.make_node("Div", [x, f"{p}/scale"], [f"{p}/levels"], name=f"{p}/Div"),

@@ -83,3 +83,25 @@ def test_the_logits_stay_near_fp32(graphs):
     want, got = fp32.prefill(prompts)[0], rows.prefill(prompts)[0]
     error = np.abs(want - got).max() / np.abs(want).max()
     assert 0 < error < 0.05, error  # measured 0.01 on both tiny releases (int8: not exact, but near)
+
+
+def test_a_weight_shared_by_two_products_is_stored_once(tmp_path):
+    """Tied weights: two products of one weight (on different inputs) give one int8 copy, a valid graph, and
+    each product near its float value."""
+    w = np.random.default_rng(2).standard_normal((16, 16)).astype(np.float32) / 4
+    nodes = [onnx.helper.make_node("MatMul", ["x", "w"], ["h"], name="/first/MatMul"),
+             onnx.helper.make_node("MatMul", ["h", "w"], ["y"], name="/second/MatMul")]
+    graph = onnx.helper.make_graph(nodes, "tied", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT,
+                                                                                      [None, 16])],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, 16])],
+                                   [onnx.numpy_helper.from_array(w, "w")])
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), tmp_path / "f.onnx")
+    assert int8_rows_dynamic(tmp_path / "f.onnx", tmp_path / "q.onnx") == 2
+    model = onnx.load(str(tmp_path / "q.onnx"))
+    onnx.checker.check_model(model)
+    assert [t.name for t in model.graph.initializer].count("w/int8") == 1 and "w" not in \
+        [t.name for t in model.graph.initializer]
+    x = np.random.default_rng(3).standard_normal((3, 16)).astype(np.float32)
+    got = ort.InferenceSession(str(tmp_path / "q.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = x @ w @ w
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
