@@ -229,8 +229,8 @@ def run_cosyvoice_bench(bundle: Path, precisions: Sequence[str], concurrency: Se
     and preset; a precision's presets share its worker). `compare` adds (bundle, precision) pairs of other
     CosyVoice bundles (e.g. CosyVoice2 cpu beside CosyVoice3 cpu) at each chosen preset they offer (none: their
     default), interleaved the same way so their ratios come from one run. `words`: the device runs with word times
-    (their pass is the `align` stage, `align_cost_pct` its share of the rest of the synthesis). `peer="vox"`: vox-tts on the release of
-    `reference` at concurrency 1, stream off. `progress` gets a line per batch."""
+    (their pass is the `align` stage, `align_cost_pct` its share of the rest of the synthesis). `peer="vox"`:
+    vox-tts on the release of `reference` at concurrency 1, stream off. `progress` gets a line per batch."""
     say = progress or (lambda line: None)
     chosen = _precisions(bundle, precisions)
     chosen_presets = _presets(bundle, presets)

@@ -3,10 +3,12 @@
 Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision targets"):
 
 * `cpu` (ONNX Runtime CPU): LLM graphs with int8 weights (`CPU_LLM_METHOD`, chosen by measurement on the full-size
-  graph: int8 weight products with each activation row quantized on its own, llm_row_int8.py) and the shared key/value cache contract where the head size allows
-  (`GraphRules.shared_kv`, llm_shared_kv.py: GroupQueryAttention writes each new position into the cache in place); the flow estimator with dynamic int8 MatMuls (`CPU_FLOW_DYNAMIC`:
-  int8 weights per channel, activations quantized per call, the CPU's integer dot-product kernels) and its
-  attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`, attention_fusion.py) and its
+  graph: int8 weight products with each activation row quantized on its own, llm_row_int8.py) and the shared
+  key/value cache contract where the head size allows (`GraphRules.shared_kv`, llm_shared_kv.py:
+  GroupQueryAttention writes each new position into the cache in place); the flow estimator with dynamic int8
+  MatMuls (`CPU_FLOW_DYNAMIC`: int8 weights per channel, activations quantized per call, the CPU's integer
+  dot-product kernels) and its attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`,
+  attention_fusion.py) and its
   Mish activations computed through one Exp (mish_rewrite.py, on every cpu int8 graph); the flow encoder is dynamic
   int8 too where the end-to-end gate allows (else the `int8-estimator` rung keeps it fp32); the HiFT source stays
   fp32; the HiFT decoder becomes static int8 QDQ with uint8 activations (every convolution fused by ONNX Runtime,
@@ -44,8 +46,8 @@ from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, in
 # The cpu LLM's int8 weight products (the speech-token head stays float). "dynamic_rows" (llm_row_int8.py): int8
 # weights per column, each activation row quantized on its own for ONNX Runtime's integer kernel, so the rows of a
 # decode step batched across requests stay exactly independent; measured at full size with the shared cache against
-# "matmul_nbits" (weight-only MatMulNBits 8-bit, blocks of 128): prefill 142-186 against 344-351 ms, a 4-row step
-# 22-23 against 29-32 ms, 378 against 415 MB, a lone row's step 19-21 against 18-20 ms. ORT's own dynamic int8
+# "matmul_nbits" (weight-only MatMulNBits 8-bit, blocks of 128): prefill 141-151 against 327-351 ms, a 4-row step
+# 21-23 against 28-30 ms, 377 against 416 MB, a lone row's step 17.8-18.1 against 16.4-17.4 ms. ORT's own dynamic int8
 # (one activation scale per call) is not offered: one request's rows would change another's.
 CPU_LLM_METHOD = "dynamic_rows"
 CPU_LLM_METHODS = {"matmul_nbits": nbits_weights, "dynamic_rows": int8_rows_dynamic}
