@@ -30,8 +30,8 @@ the layers just below that bound. With random weights the choice, like the atten
 
 Precision: every target's pass has MatMulNBits 8-bit weights (blocks of 128; one row per call) and runs on the CPU
 provider, as CAM++ and the speech tokenizer do (no TensorRT profile, nothing in a GPU's memory plan); it is gated
-against fp32 on a prompt: the alignment paths must agree (`ALIGN_AGREEMENT` of the speech tokens within one text token),
-else every target keeps the fp32 pass and the manifest says so.
+against fp32 on a prompt: the alignment paths must agree (`ALIGN_AGREEMENT` of the speech tokens within one text
+token), else every target keeps the fp32 pass and the manifest says so.
 """
 from __future__ import annotations
 

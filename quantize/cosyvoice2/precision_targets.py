@@ -8,8 +8,8 @@ Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision 
   GroupQueryAttention writes each new position into the cache in place); the flow estimator with dynamic int8
   MatMuls (`CPU_FLOW_DYNAMIC`: int8 weights per channel, activations quantized per call, the CPU's integer
   dot-product kernels) and its attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`,
-  attention_fusion.py) and its
-  Mish activations computed through one Exp (mish_rewrite.py, on every cpu int8 graph); the flow encoder is dynamic
+  attention_fusion.py) and its Mish activations computed through one Exp (mish_rewrite.py, on every cpu int8
+  graph); the flow encoder is dynamic
   int8 too where the end-to-end gate allows (else the `int8-estimator` rung keeps it fp32); the HiFT source stays
   fp32; the HiFT decoder becomes static int8 QDQ with uint8 activations (every convolution fused by ONNX Runtime,
   `unsigned_activations`) only where its gate passes.

@@ -10,7 +10,8 @@ heads of 16 channels, the smallest head GroupQueryAttention runs) with the modul
 
 * the manifest puts every stage the target quantizes at int8 (cpu: int8 LLM (rows quantized alone) with the shared
   key/value cache (GroupQueryAttention), dynamic int8 flow encoder and estimator (fused attention), QDQ HiFT
-  decoder; trt-int8: the `trt_*` QDQ graphs), each with a passed gate report and no fallback, and those files hold quantized operators;
+  decoder; trt-int8: the `trt_*` QDQ graphs), each with a passed gate report and no fallback, and those files hold
+  quantized operators;
 * the runtime opens exactly those files (every ONNX Runtime session it creates is recorded) and never the fp32
   graph of a quantized stage; its describe() reports the target's precisions;
 * greedy speech tokens equal fp32's up to the first position where the fp32 choice is not decisive (top-1 margin
