@@ -62,8 +62,8 @@ def rows_independent(path: Path) -> bool:
 
 
 def _state_layout(estimator: Any) -> tuple[int, int, int]:
-    """(chunk, bytes per frame-row, conv bytes per row) of the estimator's prompt state; chunk 0: it keeps none
-    (a graph without the state inputs, or one whose attention sees only some chunks back)."""
+    """(chunk, hidden values per frame-row, conv values per row) of the estimator's prompt state; chunk 0: it keeps
+    none (a graph without the state inputs, or one whose attention sees only some chunks back)."""
     shapes = {i.name: i.shape for i in estimator.get_overridable_initializers()}
     meta = estimator.get_modelmeta().custom_metadata_map
     try:
@@ -72,24 +72,29 @@ def _state_layout(estimator: Any) -> tuple[int, int, int]:
         if int(meta["estimator_left_chunks"]) >= 0:
             return 0, 0, 0
         chunk = math.lcm(int(meta["estimator_chunk"]), int(meta["encoder_chunk"]) * int(meta["token_mel_ratio"]))
-        return chunk, 4 * int(layers) * int(width), 4 * 2 * int(channels)
+        return chunk, int(layers) * int(width), 2 * int(channels)
     except (KeyError, ValueError, TypeError):
         return 0, 0, 0
 
 
 class Flow:
     """`flow_encoder` + `flow_estimator` and the fixed CFM noise; with a `prompt_cache`, streaming calls start
-    after the voice's prompt state (prompt_cache.py)."""
+    after the voice's prompt state (prompt_cache.py), its hidden states kept as `state_dtype` (prompt_cache.py:
+    float16 where the estimator quantizes its activations at run time)."""
 
     def __init__(self, encoder: ort.InferenceSession, estimator: ort.InferenceSession, noise: np.ndarray,
-                 config: FlowConfig, prompt_cache: PromptCache | None = None) -> None:
+                 config: FlowConfig, prompt_cache: PromptCache | None = None,
+                 state_dtype: type[np.floating] = np.float32) -> None:
         self._encoder = encoder
         self._estimator = estimator
         self._noise = noise
         self.config = config
         self._cache = prompt_cache
-        self._state_chunk, self._state_frame_bytes, self._state_conv_bytes = \
-            _state_layout(estimator) if prompt_cache is not None else (0, 0, 0)
+        self._state_dtype = state_dtype
+        chunk, hidden, conv = _state_layout(estimator) if prompt_cache is not None else (0, 0, 0)
+        self._state_chunk = chunk
+        self._state_frame_bytes = hidden * np.dtype(state_dtype).itemsize
+        self._state_conv_bytes = conv * np.dtype(np.float32).itemsize
 
     @property
     def official(self) -> Preset:
@@ -229,7 +234,7 @@ class Flow:
                 v, *kept = self._estimator.run(outputs, plain | state | {"x": x, "t": np.full(rows, t, np.float32)})
                 x = x + dt * v
             if keep:
-                keep[1].append((kept[0], kept[1]))
+                keep[1].append((kept[0].astype(self._state_dtype, copy=False), kept[1]))
             t = t + dt
             if step < preset.steps:
                 dt = t_span[step + 1] - t
@@ -247,7 +252,7 @@ def _past_feeds(past: Sequence[PromptState], step: int, guided: bool) -> dict[st
         halves = (slice(0, 1), slice(1, 2)) if guided else (slice(0, 1),)
         hidden = np.concatenate([s.steps[step][0][:, half] for half in halves for s in past], axis=1)
         conv = np.concatenate([s.steps[step][1][half] for half in halves for s in past], axis=0)
-    return {"past_hidden": hidden, "past_conv": conv}
+    return {"past_hidden": hidden.astype(np.float32, copy=False), "past_conv": conv}
 
 
 def stretch_mel(mel: np.ndarray, speed: float) -> np.ndarray:

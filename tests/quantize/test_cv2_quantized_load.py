@@ -266,11 +266,14 @@ def test_quantized_estimators_keep_the_prompt_state(bundle):
     """The prompt state survives quantization (device/cosyvoice2/prompt_cache.py): the cpu estimator (dynamic int8,
     fused attention) and the trt-int8 one (static QDQ) still take it, and a streaming chunk started after the
     voice's state stays within rounding of solving the prompt again: on the cpu graph the activations of fewer
-    frames per call are quantized with their own scale (not identical), on the static graph the same scales apply."""
+    frames per call are quantized with their own scale (not identical), on the static graph the same scales apply.
+    The cpu graph's state is kept in float16 (half the memory); its mel stays within the int8 rounding of the
+    float32 state's."""
     from cosyedge.device.cosyvoice2.flow import Flow
     from cosyedge.device.cosyvoice2.prompt_cache import PromptCache
-    # measured: cpu 0.009 of a mel peak 4.8; trt-int8 0.0 (the QDQ grid absorbs the round-off)
-    for selection, atol in (("cpu", 0.05), ("trt-int8", 1e-3)):
+    # measured: cpu 0.009 of a mel peak 4.8 (the float16 state against the float32 one: 0.006); trt-int8 0.0 (the
+    # QDQ grid absorbs the round-off)
+    for selection, atol, kept in (("cpu", 0.05, np.float16), ("trt-int8", 1e-3, np.float32)):
         engine = _load(bundle, selection)
         pipeline = engine.pipeline
         flow = pipeline._flow
@@ -284,5 +287,12 @@ def test_quantized_estimators_keep_the_prompt_state(bundle):
         solved = again.mel(prompt, tokens, False, True, preset)
         assert mel.shape == solved.shape == (1, 80, 76)
         np.testing.assert_allclose(mel, solved, atol=atol, rtol=0)
+        assert {hidden.dtype for hidden, _ in state.steps} == {np.dtype(kept)}
         if selection == "cpu":
             assert not np.array_equal(mel, solved)
+            wide = Flow(flow._encoder, flow._estimator, flow._noise, flow.config, PromptCache(256 << 20), np.float32)
+            wide_state = wide.prompt_state(prompt, preset)
+            hidden = sum(h.nbytes for h, _ in wide_state.steps)
+            assert wide_state.frames == 150 and state.nbytes == wide_state.nbytes - hidden // 2
+            exact = wide.mel(prompt, tokens, False, True, preset)
+            np.testing.assert_allclose(mel, exact, atol=atol, rtol=0)
