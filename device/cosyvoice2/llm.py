@@ -16,6 +16,7 @@ import onnxruntime as ort
 
 from cosyedge.device.cosyvoice2.kvcache import KVCache, LLMCalls, cache_dims, prefill_feeds
 from cosyedge.device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
+from cosyedge.device.cosyvoice2.table_rows import TableRows
 
 __all__ = ["DecodeConfig", "KVCache", "SpeechLM", "cache_dims", "prefill_feeds"]
 
@@ -55,7 +56,7 @@ class SpeechLM:
                  config: DecodeConfig) -> None:
         self._llm = llm
         self._calls = LLMCalls(llm)
-        self._embed_tokens = np.load(embed_tokens, mmap_mode="r")  # 544 MB at full size: rows read on demand
+        self._embed_tokens = TableRows(embed_tokens)  # 544 MB at full size: rows read on demand (table_rows.py)
         self._speech_embedding = np.load(speech_embedding)
         self._llm_embedding = np.load(llm_embedding)
         self.config = config
@@ -73,7 +74,7 @@ class SpeechLM:
         """[1, L, H]: sos, embed(prompt_text ++ text), task_id, speech_embedding(prompt speech tokens)."""
         ids = np.asarray([*prompt_text, *text], dtype=np.int64)
         speech = np.asarray(prompt_speech, dtype=np.int64)
-        rows = [self._llm_embedding[0:1], np.asarray(self._embed_tokens[ids], np.float32),
+        rows = [self._llm_embedding[0:1], self._embed_tokens.rows(ids).astype(np.float32, copy=False),
                 self._llm_embedding[1:2], self._speech_embedding[speech]]
         return np.concatenate(rows, axis=0)[None].astype(np.float32, copy=False)
 
