@@ -32,10 +32,10 @@ from cosyedge.device.sessions import SessionConfig
 class AttentionPass:
     """The `llm_align` graph of a bundle, shared by every request (per-request state lives in `SegmentPass`)."""
 
-    def __init__(self, path: Path, sessions: SessionConfig, speech_embedding: Path) -> None:
+    def __init__(self, path: Path, sessions: SessionConfig, speech_embedding: np.ndarray) -> None:
         self._path = path
         self._sessions = dataclasses.replace(sessions, providers=("cpu",), trt=None)
-        self._speech_embedding = np.load(speech_embedding, mmap_mode="r")  # the LLM's table: pages shared, read lazily
+        self._speech_embedding = speech_embedding  # the LLM's table (`SpeechLM.speech_embedding`), not a second copy
         self._session: Any = None
         self._lock = threading.Lock()
 

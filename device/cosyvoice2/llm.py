@@ -58,12 +58,18 @@ class SpeechLM:
         self._calls = LLMCalls(llm)
         self._embed_tokens = TableRows(embed_tokens)  # 544 MB at full size: rows read on demand (table_rows.py)
         self._speech_embedding = np.load(speech_embedding)
+        self._speech_embedding.flags.writeable = False  # shared with the word-timing pass
         self._llm_embedding = np.load(llm_embedding)
         self.config = config
 
     @property
     def provider(self) -> str:
         return self._llm.get_providers()[0]
+
+    @property
+    def speech_embedding(self) -> np.ndarray:
+        """[V, H] speech-token embeddings (read-only; the word-timing pass embeds with the same table)."""
+        return self._speech_embedding
 
     @property
     def hidden_size(self) -> int:

@@ -106,7 +106,7 @@ class CosyVoicePipeline(Pipeline):
             self._lm = SpeechLM(s["llm"], bundle.asset("embed_tokens"), bundle.asset("speech_embedding"),
                                 bundle.asset("llm_embedding"), self._parts.decode)
             self._aligner = AttentionPass(bundle.path(graphs[ALIGN_GRAPH].file), sessions,
-                                          bundle.asset("speech_embedding")) if ALIGN_GRAPH in graphs else None
+                                          self._lm.speech_embedding) if ALIGN_GRAPH in graphs else None
             self._decoder = DecodeScheduler(self._lm, sessions.row_limit(DECODE_ROWS),
                                             before_step=self._chunk_gate.before_decode_step)
             # TensorRT profiles cap rows and frames (device/trt)

@@ -1,7 +1,8 @@
 """The LLM's text-embedding table is read row by row with pread, never mapped (device/cosyvoice2/table_rows.py: a
 mapping kept up to 2 MB resident per row read on kernels with large folios, most of the 544 MB table in a service
-reading varied text): the rows equal numpy's, ids out of range are refused, and an engine that has synthesized has
-no mapping of the table file."""
+reading varied text): the rows equal numpy's, ids out of range are refused, and an engine that has synthesized with
+word times has no mapping of the table file, nor of the speech-token table (the word-timing pass embeds with the
+LLM's own copy)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,10 +31,11 @@ def test_rows_equal_numpys_and_out_of_range_ids_are_refused(cv2_tiny_bundle: Pat
         TableRows(tmp_path / "cube.npy")
 
 
-def test_a_synthesizing_engine_maps_nothing_of_the_table(cv2_tiny_bundle: Path):
+def test_a_synthesizing_engine_maps_nothing_of_the_tables(cv2_tiny_bundle: Path):
     engine = Engine.load(cv2_tiny_bundle, precision="fp32", warmup=False,
                          sessions=SessionConfig(providers=("cpu",), intra_op_threads=1))
-    assert engine.synthesize_waveform("收到好友从远方寄来的生日礼物。", voice="tiny_spk_zh", deterministic=True).size
-    table = engine.bundle.asset("embed_tokens").resolve()
-    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(table))]
+    wave, words = engine.synthesize_words("收到好友从远方寄来的生日礼物。", voice="tiny_spk_zh", deterministic=True)
+    assert wave.size and words
+    tables = [str(engine.bundle.asset(name).resolve()) for name in ("embed_tokens", "speech_embedding")]
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(tuple(tables))]
     assert mapped == []
