@@ -42,6 +42,17 @@ def relative_positions(size: torch.Tensor | int, dim: int) -> torch.Tensor:
     return torch.stack([torch.sin(angle), torch.cos(angle)], dim=-1).reshape(-1, dim)
 
 
+def relative_shift(position: torch.Tensor) -> torch.Tensor:
+    """[B, H, T, 2T-1] scores against the relative sinusoids -> [B, H, T, T], entry (i, j) from column T-1-i+j
+    (distance i - j). One gather along the flattened last two axes with a [T*T] index: a per-element gather
+    (`torch.gather`, ONNX GatherElements) needs an int64 index of the output's full [B, H, T, T] shape, twice the
+    memory of the scores it picks (29.6 MB per layer for 680 frames at CosyVoice2-0.5B size)."""
+    b, heads, size, width = position.shape
+    rows = torch.arange(size)
+    index = (rows.unsqueeze(1) * (width - 1) + size - 1 + rows.unsqueeze(0)).reshape(-1)   # i*(2T-1) + T-1-i+j
+    return position.reshape(b, heads, size * width).index_select(2, index).reshape(b, heads, size, size)
+
+
 class RelPositionAttention(nn.Module):
     """ESPnet relative-position self-attention with learnt biases pos_bias_u (content) and pos_bias_v (position)."""
 
@@ -66,10 +77,7 @@ class RelPositionAttention(nn.Module):
         p = self.linear_pos(pos_emb).view(-1, self.heads, self.d_k).permute(1, 2, 0)   # [H, d_k, 2T-1]
         content = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
         position = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p)              # [B, H, T, 2T-1]
-        pos = torch.arange(size)
-        shift = (size - 1 - pos.unsqueeze(1) + pos.unsqueeze(0)).expand(b, self.heads, size, size)
-        position = torch.gather(position, 3, shift)                                    # distance i - j
-        scores = (content + position) / math.sqrt(self.d_k)
+        scores = (content + relative_shift(position)) / math.sqrt(self.d_k)
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out = torch.matmul(weights, v).transpose(1, 2).reshape(b, -1, self.heads * self.d_k)
         return self.linear_out(out)

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -20,6 +21,7 @@ import torch
 from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2.flow import (CausalMaskedDiffWithXvec, build_flow, build_flow_random, fixed_noise,
                                                load_flow_state, prompt_condition)
+from cosyedge.quantize.cosyvoice2.flow_encoder import relative_shift
 from cosyedge.quantize.cosyvoice2.flow_export import ENCODER_NAME, ESTIMATOR_NAME, export_flow
 from cosyedge.quantize.cosyvoice2.release import Release
 
@@ -61,13 +63,16 @@ def noise() -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def sessions(flow: CausalMaskedDiffWithXvec, tmp_path_factory: pytest.TempPathFactory
-             ) -> dict[str, ort.InferenceSession]:
-    paths = export_flow(flow, tmp_path_factory.mktemp("flow_onnx"))
+def graphs(flow: CausalMaskedDiffWithXvec, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return export_flow(flow, tmp_path_factory.mktemp("flow_onnx"))
+
+
+@pytest.fixture(scope="module")
+def sessions(graphs: dict[str, Path]) -> dict[str, ort.InferenceSession]:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return {name: ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            for name, path in paths.items()}
+            for name, path in graphs.items()}
 
 
 def _case(vectors: dict[str, np.ndarray], case: str, name: str) -> torch.Tensor:
@@ -234,6 +239,19 @@ def test_onnx_signatures(sessions: dict[str, ort.InferenceSession]) -> None:
     meta = encoder.get_modelmeta().custom_metadata_map
     assert meta["pre_lookahead_len"] == "3" and meta["token_mel_ratio"] == "2" and meta["n_timesteps"] == "10"
     assert float(meta["inference_cfg_rate"]) == 0.7 and meta["estimator_chunk"] == "50"
+
+
+def test_relative_shift_is_the_per_element_gather_with_a_flat_index(graphs: dict[str, Path]) -> None:
+    """The encoder's relative shift (flow_encoder.relative_shift) picks exactly what the per-element gather of the
+    official attention picks, and the exported encoder holds no GatherElements, whose int64 index has the full
+    [B, H, T, T] shape of the scores (twice their memory)."""
+    for size in (1, 2, 7, 40):
+        position = torch.randn(2, 3, size, 2 * size - 1)
+        rows = torch.arange(size)
+        picked = torch.gather(position, 3, (size - 1 - rows[:, None] + rows[None]).expand(2, 3, size, size))
+        assert torch.equal(relative_shift(position), picked)
+    ops = {node.op_type for node in onnx.load(str(graphs[ENCODER_NAME])).graph.node}
+    assert "GatherElements" not in ops and "Gather" in ops
 
 
 @pytest.mark.parametrize("case", HEAVY)
