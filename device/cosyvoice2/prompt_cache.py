@@ -12,17 +12,16 @@ each later streaming call starts after it: the same arithmetic as solving those 
 tests/device/test_cv2_prompt_cache.py), on a dynamic-int8 estimator the rounding of fewer frames per call.
 
 Memory: per kept frame, the estimator rows of the preset's solve (2 per guided step, 1 per other) x blocks x
-channels x 4 bytes; CosyVoice2-0.5B: 57 KB per frame-row, a 3.5 s prompt 26 MB for `fastest` (3 rows) and 172 MB
-for `official` (20 rows). Where the estimator quantizes its activations at run time (the cpu targets' dynamic
-int8 graph: `Flow`'s `state_dtype`), the hidden states are kept in float16, half that: their rounding (2^-11 of
-a value) is far below the int8 step (1/127 of the tensor's largest value) the graph applies to them next. On the
-full-size (random-init) `cpu` target the default voice's `official` state is 83 MB instead of 165 MB, the
-resident set loaded and warmed 950 MB instead of 1027 MB, and a first chunk's mel moves 0.012 from the float32
-state's (which is 0.019 from solving the prompt again; test_cv2_quantized_load.py checks it on a tiny release).
-float32 graphs keep float32 states (fp32 round-off: test_cv2_prompt_cache.py). The cache keeps entries up to
-`cap_bytes` in all, least recently used out first; a
-voice whose state exceeds the cap keeps fewer whole chunks (`frames_within`), so what a request gets depends on
-the cap, never on what else is cached: an evicted state is computed again, the same.
+channels x 4 bytes; CosyVoice2-0.5B: 57 KB per frame-row, a 3.5 s prompt 26 MB for `fastest` (3 rows) and 172 MB for
+`official` (20 rows). Where the estimator quantizes its activations at run time (the cpu targets' dynamic int8
+graph: `Flow`'s `state_dtype`), the hidden states are kept in float16, half that: their rounding (2^-11 of a value)
+is far below the int8 step (1/127 of the tensor's largest value) the graph applies to them next. On the full-size
+(random-init) `cpu` target the default voice's `official` state is 83 MB instead of 165 MB, the resident set loaded
+and warmed 950 MB instead of 1027 MB, and a first chunk's mel moves 0.012 from the float32 state's (which is 0.019
+from solving the prompt again; test_cv2_quantized_load.py checks it on a tiny release). float32 graphs keep float32
+states (fp32 round-off: test_cv2_prompt_cache.py). The cache keeps entries up to `cap_bytes` in all, least recently
+used out first; a voice whose state exceeds the cap keeps fewer whole chunks (`frames_within`), so what a request
+gets depends on the cap, never on what else is cached: an evicted state is computed again, the same.
 """
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ class RelPositionAttention(nn.Module):
         nn.init.xavier_uniform_(self.pos_bias_v)
 
     def forward(self, x: torch.Tensor, pos_emb: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        b, size = x.shape[0], x.shape[1]
+        b = x.shape[0]
         q = self.linear_q(x).view(b, -1, self.heads, self.d_k)
         k = self.linear_k(x).view(b, -1, self.heads, self.d_k).transpose(1, 2)
         v = self.linear_v(x).view(b, -1, self.heads, self.d_k).transpose(1, 2)
