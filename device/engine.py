@@ -163,11 +163,13 @@ class Engine:
         return self.pipeline.decode_occupancy()
 
     def warmup(self) -> float:
-        """One short synthesis so the first real request does not pay for lazy ORT initialisation, and the
-        pipeline's own work ahead of requests (`Pipeline.warm`: a CosyVoice2 default voice's streaming state)."""
+        """The pipeline's own work ahead of requests (`Pipeline.warm`: a CosyVoice2 default voice's streaming state),
+        then one short synthesis so the first real request does not pay for lazy ORT initialisation. In that order:
+        the state's graph calls leave arena regions that only a later call of the same graph hands back (a
+        full-size `cpu` engine warmed 932 MB the other way round, 897 MB this way)."""
         start = time.perf_counter()
-        self.synthesize("Hello.", deterministic=True)
         self.pipeline.warm()
+        self.synthesize("Hello.", deterministic=True)
         elapsed = time.perf_counter() - start
         log.info("warm-up took %.2f s", elapsed)
         return elapsed
