@@ -51,7 +51,7 @@ class SessionConfig:
                                                   ("hift_decoder", 0), ("vits", VITS_SHRINK_ABOVE))
     # CosyVoice2 streaming: the flow's per-voice prompt states kept at most (MB; 0: none kept, each streaming call
     # computes its voice's state again). cosyvoice2/prompt_cache.py: a 3.5 s prompt is 26 MB for `fastest`, 172 MB
-    # for `official` at CosyVoice2-0.5B sizes; half that on the cpu targets (float16 states).
+    # for `official` at CosyVoice2-0.5B sizes; a quarter of that on the cpu targets (int8 states).
     prompt_cache_mb: int = 256
 
     def __post_init__(self) -> None:

@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 
 from cosyedge.device.cosyvoice2.presets import OFFICIAL, Preset
-from cosyedge.device.cosyvoice2.prompt_cache import PromptCache, PromptState, frames_within, prompt_key
+from cosyedge.device.cosyvoice2.prompt_cache import Int8Hidden, PromptCache, PromptState, frames_within, prompt_key
 from cosyedge.device.errors import InputError
 
 
@@ -61,39 +61,38 @@ def rows_independent(path: Path) -> bool:
     return not any(node.op_type == "DynamicQuantizeLinear" for node in model.graph.node)
 
 
-def _state_layout(estimator: Any) -> tuple[int, int, int]:
-    """(chunk, hidden values per frame-row, conv values per row) of the estimator's prompt state; chunk 0: it keeps
-    none (a graph without the state inputs, or one whose attention sees only some chunks back)."""
+def _state_layout(estimator: Any) -> tuple[int, int, int, int]:
+    """(chunk, blocks, hidden values per block and frame-row, conv values per row) of the estimator's prompt state;
+    chunk 0: it keeps none (a graph without the state inputs, or one whose attention sees only some chunks back)."""
     shapes = {i.name: i.shape for i in estimator.get_overridable_initializers()}
     meta = estimator.get_modelmeta().custom_metadata_map
     try:
         layers, _, _, width = shapes["past_hidden"]
         channels = shapes["past_conv"][1]
         if int(meta["estimator_left_chunks"]) >= 0:
-            return 0, 0, 0
+            return 0, 0, 0, 0
         chunk = math.lcm(int(meta["estimator_chunk"]), int(meta["encoder_chunk"]) * int(meta["token_mel_ratio"]))
-        return chunk, int(layers) * int(width), 2 * int(channels)
+        return chunk, int(layers), int(width), 2 * int(channels)
     except (KeyError, ValueError, TypeError):
-        return 0, 0, 0
+        return 0, 0, 0, 0
 
 
 class Flow:
     """`flow_encoder` + `flow_estimator` and the fixed CFM noise; with a `prompt_cache`, streaming calls start
-    after the voice's prompt state (prompt_cache.py), its hidden states kept as `state_dtype` (prompt_cache.py:
-    float16 where the estimator quantizes its activations at run time)."""
+    after the voice's prompt state (prompt_cache.py), its hidden states kept in int8 where `quantized_state` (an
+    estimator that quantizes its activations at run time: prompt_cache.py), else in float32."""
 
     def __init__(self, encoder: ort.InferenceSession, estimator: ort.InferenceSession, noise: np.ndarray,
-                 config: FlowConfig, prompt_cache: PromptCache | None = None,
-                 state_dtype: type[np.floating] = np.float32) -> None:
+                 config: FlowConfig, prompt_cache: PromptCache | None = None, quantized_state: bool = False) -> None:
         self._encoder = encoder
         self._estimator = estimator
         self._noise = noise
         self.config = config
         self._cache = prompt_cache
-        self._state_dtype = state_dtype
-        chunk, hidden, conv = _state_layout(estimator) if prompt_cache is not None else (0, 0, 0)
+        self._quantized_state = quantized_state
+        chunk, blocks, width, conv = _state_layout(estimator) if prompt_cache is not None else (0, 0, 0, 0)
         self._state_chunk = chunk
-        self._state_frame_bytes = hidden * np.dtype(state_dtype).itemsize
+        self._state_frame_bytes = blocks * (width + 4) if quantized_state else blocks * width * 4  # int8: + scales
         self._state_conv_bytes = conv * np.dtype(np.float32).itemsize
 
     @property
@@ -234,7 +233,7 @@ class Flow:
                 v, *kept = self._estimator.run(outputs, plain | state | {"x": x, "t": np.full(rows, t, np.float32)})
                 x = x + dt * v
             if keep:
-                keep[1].append((kept[0].astype(self._state_dtype, copy=False), kept[1]))
+                keep[1].append((Int8Hidden.of(kept[0]) if self._quantized_state else kept[0], kept[1]))
             t = t + dt
             if step < preset.steps:
                 dt = t_span[step + 1] - t
@@ -250,7 +249,7 @@ def _past_feeds(past: Sequence[PromptState], step: int, guided: bool) -> dict[st
         hidden, conv = past[0].steps[step]
     else:
         halves = (slice(0, 1), slice(1, 2)) if guided else (slice(0, 1),)
-        hidden = np.concatenate([s.steps[step][0][:, half] for half in halves for s in past], axis=1)
+        hidden = np.concatenate([s.steps[step][0][:, half].astype(np.float32) for half in halves for s in past], axis=1)
         conv = np.concatenate([s.steps[step][1][half] for half in halves for s in past], axis=0)
     return {"past_hidden": hidden.astype(np.float32, copy=False), "past_conv": conv}
 

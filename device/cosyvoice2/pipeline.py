@@ -115,7 +115,7 @@ class CosyVoicePipeline(Pipeline):
             noise = noise[:, :, :sessions.frame_limit(noise.shape[2])]  # longer utterances: InputError
             self._flow = Flow(s["flow_encoder"], s["flow_estimator"], noise, FlowConfig.from_config(cfg),
                               PromptCache(sessions.prompt_cache_mb << 20),
-                              np.float32 if shared_rows else np.float16)
+                              quantized_state=not shared_rows)
             self._presets, self._default_preset, self._presets_measured = bundle_presets(cfg)
             self._vocoder = self._parts.vocoder
             self._schedule = self._parts.schedule

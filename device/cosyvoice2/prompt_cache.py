@@ -14,14 +14,17 @@ tests/device/test_cv2_prompt_cache.py), on a dynamic-int8 estimator the rounding
 Memory: per kept frame, the estimator rows of the preset's solve (2 per guided step, 1 per other) x blocks x
 channels x 4 bytes; CosyVoice2-0.5B: 57 KB per frame-row, a 3.5 s prompt 26 MB for `fastest` (3 rows) and 172 MB for
 `official` (20 rows). Where the estimator quantizes its activations at run time (the cpu targets' dynamic int8
-graph: `Flow`'s `state_dtype`), the hidden states are kept in float16, half that: their rounding (2^-11 of a value)
-is far below the int8 step (1/127 of the tensor's largest value) the graph applies to them next. On the full-size
-(random-init) `cpu` target the default voice's `official` state is 83 MB instead of 165 MB, the resident set loaded
-and warmed 950 MB instead of 1027 MB, and a first chunk's mel moves 0.012 from the float32 state's (which is 0.019
-from solving the prompt again; test_cv2_quantized_load.py checks it on a tiny release). float32 graphs keep float32
-states (fp32 round-off: test_cv2_prompt_cache.py). The cache keeps entries up to `cap_bytes` in all, least recently
-used out first; a voice whose state exceeds the cap keeps fewer whole chunks (`frames_within`), so what a request
-gets depends on the cap, never on what else is cached: an evicted state is computed again, the same.
+graph: `Flow`'s `quantized_state`), the hidden states are kept in int8 with one float32 scale per block, row and
+frame (`Int8Hidden`), a little over a quarter of that: the graph quantizes these values to int8 itself next, with
+one scale per call (its largest value / 127), never finer than a frame's own. On the full-size (random-init) `cpu`
+target the default voice's `official` state is 43 MB (float32: 165 MB; float16, kept before: 83 MB), the engine
+loaded and warmed 856 MB (float16: 897 MB), and streaming chunks' mel is as near solving the prompt again as with
+float16 states (`official` first / later chunk 0.019 / 0.025, float16 0.019 / 0.022; `fastest` 0.023 / 0.023,
+float16 0.025 / 0.024; mel range -4.2 to 4.3) at the same first-chunk time; test_cv2_quantized_load.py checks it on
+a tiny release. float32 graphs keep float32 states (fp32 round-off: test_cv2_prompt_cache.py). The cache keeps
+entries up to `cap_bytes` in all, least recently used out first; a voice whose state exceeds the cap keeps fewer
+whole chunks (`frames_within`), so what a request gets depends on the cap, never on what else is cached: an evicted
+state is computed again, the same.
 """
 from __future__ import annotations
 
@@ -34,11 +37,39 @@ import numpy as np
 
 
 @dataclass(frozen=True, eq=False)
+class Int8Hidden:
+    """Hidden states [L, rows, frames, D] as int8 values and one float32 scale per block, row and frame (the frame's
+    largest magnitude / 127). Read like the float array it replaces: `state[:, rows]` and `astype`."""
+    values: np.ndarray
+    scales: np.ndarray
+
+    @classmethod
+    def of(cls, hidden: np.ndarray) -> Int8Hidden:
+        scales = (np.abs(hidden).max(axis=-1, keepdims=True) / 127).astype(np.float32)
+        scales[scales == 0] = 1  # an all-zero frame: any scale gives zeros
+        return cls(np.rint(hidden / scales).astype(np.int8), scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.values.dtype
+
+    def __getitem__(self, key: tuple[slice, ...]) -> Int8Hidden:
+        return Int8Hidden(self.values[key], self.scales[key])
+
+    def astype(self, dtype: type[np.floating], copy: bool = True) -> np.ndarray:
+        return (self.values.astype(np.float32) * self.scales).astype(dtype, copy=False)
+
+
+@dataclass(frozen=True, eq=False)
 class PromptState:
-    """The estimator state after `frames` prompt frames, per Euler step: (hidden [L, rows, frames, D], conv
-    [rows, S, 2]) with the step's rows (conditional, then unconditional on a guided step)."""
+    """The estimator state after `frames` prompt frames, per Euler step: (hidden [L, rows, frames, D], float32 or
+    `Int8Hidden`; conv [rows, S, 2]) with the step's rows (conditional, then unconditional on a guided step)."""
     frames: int
-    steps: tuple[tuple[np.ndarray, np.ndarray], ...]
+    steps: tuple[tuple[np.ndarray | Int8Hidden, np.ndarray], ...]
 
     @property
     def nbytes(self) -> int:

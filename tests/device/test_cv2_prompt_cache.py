@@ -178,3 +178,21 @@ def test_warm_up_builds_the_default_voices_state_once(cv2_tiny_bundle):
     assert pipeline._flow.prompt_state(prompt, pipeline._presets["fastest"], build=False) is None
     assert pipeline.warm("fastest") and not pipeline.warm("fastest") and not pipeline.warm()
     assert pipeline._flow.prompt_state(prompt, pipeline._presets["fastest"], build=False) is not None
+
+
+def test_int8_hidden_reads_back_within_half_a_frames_step():
+    """`Int8Hidden` (the cpu targets' kept hidden states): each value comes back within half its frame's step
+    (largest magnitude / 127), row slices read the same values, an all-zero frame stays zero, and it holds a byte
+    per value plus one float32 per block, row and frame."""
+    from cosyedge.device.cosyvoice2.prompt_cache import Int8Hidden
+    rng = np.random.default_rng(3)
+    hidden = (rng.standard_normal((4, 2, 6, 32)) * rng.uniform(0.01, 50, (4, 2, 6, 1))).astype(np.float32)
+    hidden[1, 0, 2] = 0
+    packed = Int8Hidden.of(hidden)
+    step = np.abs(hidden).max(axis=-1, keepdims=True) / 127
+    back = packed.astype(np.float32)
+    assert back.dtype == np.float32 and back.shape == hidden.shape
+    assert np.all(np.abs(back - hidden) <= step / 2 * (1 + 1e-5))
+    assert not np.array_equal(back, hidden) and np.all(back[1, 0, 2] == 0)
+    assert np.array_equal(packed[:, 1:2].astype(np.float32), back[:, 1:2])
+    assert packed.dtype == np.int8 and packed.nbytes == hidden.size + 4 * 2 * 6 * 4
