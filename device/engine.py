@@ -162,17 +162,17 @@ class Engine:
         """Decode steps so far by rows decoded together (CosyVoice; empty for other families)."""
         return self.pipeline.decode_occupancy()
 
-    def warmup(self) -> float:
-        """The pipeline's own work ahead of requests (`Pipeline.warm`: a CosyVoice2 default voice's streaming state),
-        then one short synthesis so the first real request does not pay for lazy ORT initialisation. In that order:
-        the state's graph calls leave arena regions that only a later call of the same graph hands back (a
-        full-size `cpu` engine warmed 932 MB the other way round, 897 MB this way)."""
+    def warmup(self, preset: str | None = None) -> bool:
+        """The pipeline's own work ahead of requests (`Pipeline.warm`: a CosyVoice2 default voice's streaming state
+        for `preset`, else the bundle's default), then one short synthesis so the first real request does not pay
+        for lazy ORT initialisation. In that order: the state's graph calls leave arena regions that only a later
+        call of the same graph hands back (a full-size `cpu` engine warmed 932 MB the other way round, 897 MB this
+        way). True when the pipeline built something."""
         start = time.perf_counter()
-        self.pipeline.warm()
+        built = self.pipeline.warm(preset)
         self.synthesize("Hello.", deterministic=True)
-        elapsed = time.perf_counter() - start
-        log.info("warm-up took %.2f s", elapsed)
-        return elapsed
+        log.info("warm-up took %.2f s", time.perf_counter() - start)
+        return built
 
     # -- request validation -----------------------------------------------------------------
     def options(self, voice: str | int | None = None, speed: float = 1.0, deterministic: bool = False,

@@ -192,9 +192,10 @@ class DeviceBackend(Backend):
                 "precision": self.engine.pipeline.describe()["precision"], "sample_rate": self.sample_rate}
 
     def prepare(self, texts: Sequence[str], settings: Settings) -> bool:
-        """The work a warmed service has done before requests (`Pipeline.warm`: CosyVoice2's streaming prompt
-        state of the default voice, the bench's voice, for the run's preset), so a run measures requests, not it."""
-        return self.engine.pipeline.warm(settings.preset)
+        """The work a warmed service has done before requests (`Engine.warmup`: CosyVoice2's streaming prompt
+        state of the default voice, the bench's voice, for the run's preset, then a short synthesis that hands the
+        state's arena regions back), so a run measures requests, not it."""
+        return self.engine.warmup(settings.preset)
 
     def synthesize(self, text: str, stream: bool, settings: Settings, index: int) -> tuple[int, Iterator[np.ndarray]]:
         from cosyedge.device.cosyvoice2.pipeline import pinned  # the bench's own options: pinned lengths
