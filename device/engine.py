@@ -166,8 +166,8 @@ class Engine:
         """The pipeline's own work ahead of requests (`Pipeline.warm`: a CosyVoice2 default voice's streaming state
         for `preset`, else the bundle's default), then one short synthesis so the first real request does not pay
         for lazy ORT initialisation. In that order: the state's graph calls leave arena regions that only a later
-        call of the same graph hands back (a full-size `cpu` engine warmed 932 MB the other way round, 897 MB this
-        way). True when the pipeline built something."""
+        flow or HiFT call hands back (sessions.py; a full-size `cpu` engine warmed 932 MB the other way round, 897 MB
+        this way). True when the pipeline built something."""
         start = time.perf_counter()
         built = self.pipeline.warm(preset)
         self.synthesize("Hello.", deterministic=True)

@@ -249,7 +249,8 @@ def _past_feeds(past: Sequence[PromptState], step: int, guided: bool) -> dict[st
         hidden, conv = past[0].steps[step]
     else:
         halves = (slice(0, 1), slice(1, 2)) if guided else (slice(0, 1),)
-        hidden = np.concatenate([s.steps[step][0][:, half].astype(np.float32) for half in halves for s in past], axis=1)
+        hidden = np.concatenate([s.steps[step][0][:, half].astype(np.float32, copy=False)
+                                 for half in halves for s in past], axis=1)
         conv = np.concatenate([s.steps[step][1][half] for half in halves for s in past], axis=0)
     return {"past_hidden": hidden.astype(np.float32, copy=False), "past_conv": conv}
 
