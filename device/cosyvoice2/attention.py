@@ -26,13 +26,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from cosyedge.device.cosyvoice2.scheduler import Prefix
+from cosyedge.device.cosyvoice2.table_rows import TableRows
 from cosyedge.device.sessions import SessionConfig
 
 
 class AttentionPass:
     """The `llm_align` graph of a bundle, shared by every request (per-request state lives in `SegmentPass`)."""
 
-    def __init__(self, path: Path, sessions: SessionConfig, speech_embedding: np.ndarray) -> None:
+    def __init__(self, path: Path, sessions: SessionConfig, speech_embedding: TableRows) -> None:
         self._path = path
         self._sessions = dataclasses.replace(sessions, providers=("cpu",), trt=None)
         self._speech_embedding = speech_embedding  # the LLM's table (`SpeechLM.speech_embedding`), not a second copy
@@ -56,7 +57,7 @@ class AttentionPass:
         return SegmentPass(self, lm_input, np.asarray(text_positions, np.int64), prefix)
 
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
-        return np.asarray(self._speech_embedding[np.asarray(tokens, np.int64)], np.float32)
+        return self._speech_embedding.rows(tokens).astype(np.float32, copy=False)
 
 
 class SegmentPass:

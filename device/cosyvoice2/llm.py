@@ -56,9 +56,9 @@ class SpeechLM:
                  config: DecodeConfig) -> None:
         self._llm = llm
         self._calls = LLMCalls(llm)
-        self._embed_tokens = TableRows(embed_tokens)  # 544 MB at full size: rows read on demand (table_rows.py)
-        self._speech_embedding = np.load(speech_embedding)
-        self._speech_embedding.flags.writeable = False  # shared with the word-timing pass
+        # rows read on demand (table_rows.py), never held: 544 MB and 23.5 MB at full size
+        self._embed_tokens = TableRows(embed_tokens)
+        self._speech_embedding = TableRows(speech_embedding)  # shared with the word-timing pass
         self._llm_embedding = np.load(llm_embedding)
         self.config = config
 
@@ -67,8 +67,8 @@ class SpeechLM:
         return self._llm.get_providers()[0]
 
     @property
-    def speech_embedding(self) -> np.ndarray:
-        """[V, H] speech-token embeddings (read-only; the word-timing pass embeds with the same table)."""
+    def speech_embedding(self) -> TableRows:
+        """[V, H] speech-token embeddings (the word-timing pass embeds with the same table)."""
         return self._speech_embedding
 
     @property
@@ -81,7 +81,7 @@ class SpeechLM:
         ids = np.asarray([*prompt_text, *text], dtype=np.int64)
         speech = np.asarray(prompt_speech, dtype=np.int64)
         rows = [self._llm_embedding[0:1], self._embed_tokens.rows(ids).astype(np.float32, copy=False),
-                self._llm_embedding[1:2], self._speech_embedding[speech]]
+                self._llm_embedding[1:2], self._speech_embedding.rows(speech).astype(np.float32, copy=False)]
         return np.concatenate(rows, axis=0)[None].astype(np.float32, copy=False)
 
     def tokens(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool,
@@ -143,7 +143,7 @@ class SpeechLM:
 
     def decode(self, tokens: np.ndarray, cache: KVCache) -> tuple[np.ndarray, KVCache]:
         """One decode step: token r [B] goes to row r at its own next position; logits [B, V] and the longer cache."""
-        return self._calls.decode(self._speech_embedding[np.asarray(tokens, np.int64)][:, None], cache)
+        return self._calls.decode(self._speech_embedding.rows(tokens).astype(np.float32, copy=False)[:, None], cache)
 
     def row_prefix(self, cache: KVCache, row: int, layers: int, positions: int) -> tuple[np.ndarray, np.ndarray]:
         """Row `row`'s keys and values of its first `positions` positions in the first `layers` layers (copies)."""

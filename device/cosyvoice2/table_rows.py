@@ -1,5 +1,6 @@
 """Rows of a large `.npy` table read on demand, without mapping it (the LLM's text-embedding table, 544 MB at
-CosyVoice2-0.5B size).
+CosyVoice2-0.5B size, and its speech-token table, 23.5 MB: a decode step reads one row per request, and held whole
+the table was a service's resident memory).
 
 Why not `np.load(mmap_mode="r")`: reading a row through a mapping maps the page-cache folio around it, and where the
 kernel caches files in large folios (ext4 on Linux 6.x) a folio is up to 2 MB. On the full-size table (ext4, Linux
