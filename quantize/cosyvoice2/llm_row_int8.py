@@ -1,9 +1,10 @@
 """The cpu LLM's weight products in int8 with each activation row quantized on its own (`CPU_LLM_METHOD`
-"dynamic_rows"): every constant-weight MatMul x @ W (the speech-token head excepted) becomes
+"dynamic_rows"): every constant-weight MatMul x @ W, and every Gemm x @ W (+ bias) without transA, alpha or beta
+(the speech-token head), becomes
 
     s = max(|x|, over K) / 127              one scale per row: per position of each request
     q = QuantizeLinear(x / s, 1, 128)       uint8, zero point 128
-    y = MatMulIntegerToFloat(q, Wq, 1, w_scale, 128) * s
+    y = MatMulIntegerToFloat(q, Wq, 1, w_scale, 128) * s (+ bias)
 
 with W quantized per output column (symmetric int8, `w_scale` = max |W[:, n]| / 127). The products sharing one
 input (q, k and v; gate and up) share its quantization.
@@ -32,7 +33,7 @@ ZERO_POINT = 128  # uint8 activations, symmetric around it: x / s lies in [-127,
 
 
 def int8_rows_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> int:
-    """Rewrite the constant-weight MatMuls of `src` (nodes matching `exclude` kept float) into `dst`; returns how
+    """Rewrite the constant-weight products of `src` (nodes matching `exclude` kept float) into `dst`; returns how
     many were rewritten."""
     model = onnx.load(str(src))
     graph = model.graph
@@ -47,26 +48,32 @@ def int8_rows_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> int:
     uses = {name: len(users) for name, users in index.consumers.items()}
     count = 0
     for node in graph.node:
-        weight = index.inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
-        if weight is None or len(weight.dims) != 2 or name_matches(node.name, exclude):
+        product = _weight_product(node, index)
+        if product is None or name_matches(node.name, exclude):
             nodes.append(node)
             continue
+        weight, transposed, bias = product
         x = node.input[0]
         if x not in rows:
             rows[x] = _quantize_rows(x, f"{node.name}/quantize_rows", nodes)
         q, scale = rows[x]
-        if weight.name not in quantized:
-            quantized.add(weight.name)
+        stored = f"{weight.name}/T" if transposed else weight.name  # the int8 copy is [K, N] either way
+        if stored not in quantized:
+            quantized.add(stored)
             w = numpy_helper.to_array(weight).astype(np.float32)
+            w = np.ascontiguousarray(w.T) if transposed else w
             w_scale = np.maximum(np.abs(w).max(axis=0), np.float32(1e-12)) / np.float32(127)
             w_q = np.clip(np.rint(w / w_scale), -127, 127).astype(np.int8)
-            constants += [numpy_helper.from_array(w_q, f"{weight.name}/int8"),
-                          numpy_helper.from_array(w_scale.astype(np.float32), f"{weight.name}/scale")]
+            constants += [numpy_helper.from_array(w_q, f"{stored}/int8"),
+                          numpy_helper.from_array(w_scale.astype(np.float32), f"{stored}/scale")]
         p = f"{node.name}/rows"
+        scaled = f"{p}/scaled" if bias else node.output[0]
         nodes += [helper.make_node("MatMulIntegerToFloat",
-                                   [q, f"{weight.name}/int8", "rows_one", f"{weight.name}/scale", "rows_zero"],
+                                   [q, f"{stored}/int8", "rows_one", f"{stored}/scale", "rows_zero"],
                                    [f"{p}/unscaled"], name=f"{p}/MatMulIntegerToFloat", domain=MS_DOMAIN),
-                  helper.make_node("Mul", [f"{p}/unscaled", scale], list(node.output), name=f"{p}/Mul")]
+                  helper.make_node("Mul", [f"{p}/unscaled", scale], [scaled], name=f"{p}/Mul")]
+        if bias:
+            nodes.append(helper.make_node("Add", [scaled, bias], [node.output[0]], name=f"{p}/Add"))
         uses[weight.name] -= 1
         count += 1
     if count:
@@ -83,6 +90,22 @@ def int8_rows_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> int:
             model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     finish(model, dst)
     return count
+
+
+def _weight_product(node: onnx.NodeProto, index: GraphIndex) -> tuple[onnx.TensorProto, bool, str] | None:
+    """(W, transposed, bias name or "") of a product x @ W (+ bias) with a constant 2-D W: a MatMul, or a Gemm
+    without transA, alpha or beta (the speech-token head's export: transB with a bias); else None."""
+    if node.op_type == "MatMul" and len(node.input) == 2:
+        weight, transposed, bias = index.inits.get(node.input[1]), False, ""
+    elif node.op_type == "Gemm":
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            return None
+        weight, transposed = index.inits.get(node.input[1]), bool(attrs.get("transB", 0))
+        bias = node.input[2] if len(node.input) > 2 else ""
+    else:
+        return None
+    return (weight, transposed, bias) if weight is not None and len(weight.dims) == 2 else None
 
 
 def _quantize_rows(x: str, p: str, nodes: list[onnx.NodeProto]) -> tuple[str, str]:

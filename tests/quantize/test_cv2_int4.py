@@ -68,7 +68,9 @@ def test_llm_graphs_hold_packed_4bit_matmulnbits(bundle):
             assert numpy_helper.to_array(inits[node.input[2]]).size == n * -(-k // block)
         int8 = onnx.load(str(bundle.path(bundle.component(graph, "int8").file)))
         int8_q = {n.name.removesuffix("/rows/MatMulIntegerToFloat") for n in int8.graph.node
-                  if n.op_type == "MatMulIntegerToFloat"}
+                  if n.op_type == "MatMulIntegerToFloat" and not n.name.startswith("/llm_decoder/")}
+        head = [n.op_type for n in model.graph.node if n.name.startswith("/llm_decoder/")]
+        assert "MatMulIntegerToFloat" in head and not {"Gemm", "MatMul"} & set(head), graph  # the head in row int8
         # the same projections as the int8 graph, half a byte per weight (K here is a multiple of the block)
         int4_q = {n.name.removesuffix("_nbits4"): numpy_helper.to_array(inits[n.input[1]]).nbytes for n in nbits}
         assert int4_q.keys() == int8_q, graph

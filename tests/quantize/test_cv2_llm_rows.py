@@ -1,6 +1,7 @@
 """The cpu LLM's int8 weight products with each activation row quantized on its own (llm_row_int8.py, the cpu
 targets' `CPU_LLM_METHOD` for both families): every weight product of the tiny releases' LLM is rewritten, the
-products sharing an input share its quantization, a row's logits are exactly the same whatever rows share its
+speech-token head's Gemm (CosyVoice2: transposed weight and a bias) too, the products sharing an input share its
+quantization, a row's logits are exactly the same whatever rows share its
 call (the reason for the method: decode steps are batched across requests), and the logits stay near fp32.
 """
 from __future__ import annotations
@@ -15,18 +16,19 @@ import pytest
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.cosyvoice2.kvcache import LLMCalls
 from cosyedge.quantize.cosyvoice2.llm_row_int8 import int8_rows_dynamic
-from cosyedge.quantize.cosyvoice2.precision_targets import CPU_LLM_METHOD, INT8_EXCLUDE
+from cosyedge.quantize.cosyvoice2.precision_targets import CPU_LLM_METHOD
 
 ROUND_OFF = 1e-5  # relative to the largest logit: the float graphs' own batched round-off is ~5e-7
 
 
 @pytest.fixture(scope="module", params=["cosyvoice2", "cosyvoice3"])
 def graphs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The fp32 LLM of the family's tiny official-layout release and its row-quantized rewrite."""
+    """The fp32 LLM of the family's tiny official-layout release and its row-quantized rewrite (as the cpu target
+    builds it: the head too)."""
     bundle = Bundle.load(request.getfixturevalue(f"cv{request.param[-1]}_tiny_bundle"))
     fp32 = bundle.path(bundle.component("llm", "fp32").file)
     rows = tmp_path_factory.mktemp(f"rows-{request.param}") / "llm.rows.onnx"
-    int8_rows_dynamic(fp32, rows, INT8_EXCLUDE["llm"])
+    int8_rows_dynamic(fp32, rows)
     return fp32, rows
 
 
@@ -38,17 +40,18 @@ def _calls(path: Path) -> LLMCalls:
 
 def _weight_products(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     weights = {t.name for t in model.graph.initializer if len(t.dims) == 2}
-    return [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    return [n for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]
 
 
-def test_every_weight_product_but_the_head_is_int8_and_each_input_is_quantized_once(graphs):
+def test_every_weight_product_and_the_head_is_int8_and_each_input_is_quantized_once(graphs):
     assert CPU_LLM_METHOD == "dynamic_rows"
     fp32, rows = onnx.load(str(graphs[0])), onnx.load(str(graphs[1]))
-    products = [n for n in _weight_products(fp32) if not n.name.startswith("/llm_decoder/")]
+    products = _weight_products(fp32)
+    assert [n for n in products if n.name.startswith("/llm_decoder/")]  # the head is among them
     ops = [n.op_type for n in rows.graph.node]
-    assert products and ops.count("MatMulIntegerToFloat") == len(products)
+    assert ops.count("MatMulIntegerToFloat") == len(products)
     assert ops.count("QuantizeLinear") == len({n.input[0] for n in products}) < len(products)  # q/k/v, gate/up
-    assert not [n for n in _weight_products(rows) if not n.name.startswith("/llm_decoder/")]
+    assert not _weight_products(rows)
     int8 = [t for t in rows.graph.initializer if t.data_type == onnx.TensorProto.INT8]
     assert len(int8) == len(products)
     assert sum(t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2 for t in rows.graph.initializer) \

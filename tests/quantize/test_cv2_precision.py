@@ -119,13 +119,15 @@ def test_gpu_fp16_passes_every_stage_gate(bundle):
 
 def test_cpu_target_has_int8_llm_weights(bundle):
     """The LLM passes its gate at int8 on tiny with int8 weight products whose activations are quantized row by
-    row (MatMulIntegerToFloat on uint8 rows, llm_row_int8.py; test_cv2_llm_rows.py checks the rows' independence)."""
+    row (MatMulIntegerToFloat on uint8 rows, llm_row_int8.py; test_cv2_llm_rows.py checks the rows' independence),
+    the speech-token head's too (CPU_LLM_HEAD)."""
     cpu = bundle.manifest.config["targets"]["cpu"]
     assert cpu["stages"]["llm"] == "int8"
     model = onnx.load(str(bundle.path(bundle.component("llm", "int8").file)))
     assert any(n.op_type == "MatMulIntegerToFloat" for n in model.graph.node)
     assert not any(n.op_type == "MatMul" and "proj" in n.name for n in model.graph.node)   # every projection int8
-    assert any(n.op_type == "Gemm" and n.name.startswith("/llm_decoder/") for n in model.graph.node)  # head float
+    assert any(n.op_type == "MatMulIntegerToFloat" and n.name.startswith("/llm_decoder/") for n in model.graph.node)
+    assert not any(n.op_type in ("Gemm", "MatMul") and n.name.startswith("/llm_decoder/") for n in model.graph.node)
     assert cpu["graphs"]["hift_source"]["precision"] == "fp32" and cpu["graphs"]["flow_encoder"]["precision"] == "fp32"
 
 
@@ -267,6 +269,20 @@ def test_cpu_estimator_computes_mish_through_one_exp(fp32, tmp_path):
     want = wide * np.tanh(np.logaddexp(0.0, wide))
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+
+
+def test_cpu_estimator_time_mlps_are_dynamic_int8(fp32, tmp_path):
+    """The cpu estimator's time MLPs (`time_mlp` and each block's `mlp`) are int8 like its other products
+    (`CV2_RULES.dynamic_int8_exclude`; the trt-int8 graph keeps them float, test above); no float product with a
+    constant weight is left in them. (The golden tiny release's cpu flow falls back to fp32 at its end-to-end gate,
+    so the graph is built here.)"""
+    v = precision_targets.variant("cpu", "flow_estimator", "int8")
+    model = onnx.load(str(precision_targets.build_variant(v, fp32["flow_estimator"], tmp_path / "e.int8.onnx", None)))
+    integer = [n.name for n in model.graph.node if n.op_type == "MatMulInteger"]
+    assert [name for name in integer if "/time_mlp/" in name] and [name for name in integer if "/mlp/mlp" in name]
+    weights = {t.name for t in model.graph.initializer if len(t.dims) == 2}
+    assert not [n.name for n in model.graph.node
+                if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights and "mlp" in n.name]
 
 
 def _flip_one_layer(path: Path, op_type: str, pattern: str) -> None:

@@ -131,21 +131,26 @@ def test_every_quantized_stage_passes_its_gate_and_is_in_the_bundle(bundle):
     assert set(_quantized("trt-int8")) == {"llm", "flow_estimator", "hift_decoder"}
 
 
-def _margins(bundle: Bundle, segment_ids: tuple[int, ...], tokens: list[int]) -> np.ndarray:
-    """fp32 top-1 margin (nats, after the eos rule) at each step of `tokens`, teacher-forced through the fp32
-    graphs by the gate code, from an LLM input built here from the bundle's tables and the voice's prompt."""
+def _forced_logits(bundle: Bundle, llm: Path, segment_ids: tuple[int, ...], tokens: list[int]) -> np.ndarray:
+    """Logits (after the eos rule) at each step of `tokens`, teacher-forced through the `llm` graph by the gate code,
+    from an LLM input built here from the bundle's tables and the voice's prompt."""
     cfg = bundle.manifest.config
     gate_config = GateConfig.from_bundle(bundle)
-    fp32 = {"llm": bundle.path(bundle.component("llm", "fp32").file)}
     with np.load(bundle.asset(f"voice:{VOICE}")) as voice:
         prompt_text, prompt_speech = voice["prompt_text_ids"], voice["llm_prompt_speech_token"]
     ids = np.concatenate([prompt_text, np.asarray(segment_ids, np.int64)])
     lm_input = np.concatenate([gate_config.llm_embedding[:1], gate_config.embed_tokens[ids],
                                gate_config.llm_embedding[1:2], gate_config.speech_embedding[prompt_speech]])
-    logits = Gates(gate_config, fp32).llm_logits(fp32, lm_input[None].astype(np.float32), tokens, len(tokens))
-    min_len = int(len(segment_ids) * float(cfg["min_token_text_ratio"]))
-    logits[:min_len, int(cfg["eos"])] = -np.inf
-    assert logits[:len(tokens)].argmax(1).tolist() == tokens   # this LLM input reproduces the runtime's fp32 choices
+    graphs = {"llm": llm}
+    logits = Gates(gate_config, graphs).llm_logits(graphs, lm_input[None].astype(np.float32), tokens, len(tokens))
+    logits[:int(len(segment_ids) * float(cfg["min_token_text_ratio"])), int(cfg["eos"])] = -np.inf
+    return logits[:len(tokens)]
+
+
+def _margins(bundle: Bundle, segment_ids: tuple[int, ...], tokens: list[int]) -> np.ndarray:
+    """fp32 top-1 margin (nats, after the eos rule) at each step of `tokens`, teacher-forced through the fp32 graph."""
+    logits = _forced_logits(bundle, bundle.path(bundle.component("llm", "fp32").file), segment_ids, tokens)
+    assert logits.argmax(1).tolist() == tokens   # this LLM input reproduces the runtime's fp32 choices
     logp = log_softmax(logits)
     top2 = np.sort(logp, axis=1)[:, -2:]
     return top2[:, 1] - top2[:, 0]
@@ -202,12 +207,19 @@ def test_runtime_loads_and_runs_the_quantized_graphs(bundle, reference, target, 
         if got != want:   # they may part only where fp32 itself was not decisive (a near tie)
             assert split < len(margins) and margins[split] < DECISIVE_NATS, (target, split, margins[split])
         compared += split
+        # and teacher-forced on fp32's tokens, the cpu graph (int8 rows, head included) chooses fp32's token at
+        # every position where fp32 is decisive (169 here; trt-int8's QDQ graph, per-tensor activation ranges,
+        # agrees at 93.5 % of them, under the 0.95 its gate measured on its own shorter sequences)
+        decisive = margins >= DECISIVE_NATS
+        chosen = _forced_logits(bundle, files["llm"], segment.ids, want).argmax(1)[decisive]
+        assert decisive.sum() >= 40 and (target != "cpu" or (chosen == np.asarray(want)[decisive]).all()), target
         wave = engine.pipeline.synthesize([segment], request)[0]
         assert wave.dtype == np.float32 and wave.size == len(got) * samples_per_token, target
         assert np.isfinite(wave).all() and np.abs(wave).max() <= 1.0 and np.abs(wave).max() > 0, target
     # a real comparison, not a split at the first token (trt-int8 with the one QDQ LLM graph: 19 equal tokens,
-    # then a near tie where fp32 itself was not decisive; the two-graph QDQ pair reached >= 20)
-    assert compared >= 15, compared
+    # then a near tie where fp32 itself was not decisive; cpu with its row-int8 head: 10, then a near tie); the
+    # teacher-forced check above covers every decisive position
+    assert compared >= 8, compared
 
     whole = engine.synthesize_waveform(TEXT, voice=VOICE, sampling="greedy", deterministic=True)
     assert np.isfinite(whole).all() and whole.size % samples_per_token == 0
