@@ -21,7 +21,8 @@ import torch
 from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2.flow import (CausalMaskedDiffWithXvec, build_flow, build_flow_random, fixed_noise,
                                                load_flow_state, prompt_condition)
-from cosyedge.quantize.cosyvoice2.flow_encoder import relative_shift
+from cosyedge.quantize.cosyvoice2 import flow_encoder
+from cosyedge.quantize.cosyvoice2.flow_encoder import QUERY_BLOCKS, relative_shift
 from cosyedge.quantize.cosyvoice2.flow_export import ENCODER_NAME, ESTIMATOR_NAME, export_flow
 from cosyedge.quantize.cosyvoice2.release import Release
 
@@ -252,6 +253,40 @@ def test_relative_shift_is_the_per_element_gather_with_a_flat_index(graphs: dict
         assert torch.equal(relative_shift(position), picked)
     ops = {node.op_type for node in onnx.load(str(graphs[ENCODER_NAME])).graph.node}
     assert "GatherElements" not in ops and "Gather" in ops
+    position = torch.randn(1, 2, 9, 17)
+    for first, end in ((0, 2), (2, 5), (5, 9), (4, 4)):   # a block of query rows shifts as the same rows of all
+        assert torch.equal(relative_shift(position[:, :, first:end], first), relative_shift(position)[:, :, first:end])
+
+
+def test_encoder_attention_runs_in_query_blocks_with_the_output_of_one(flow: CausalMaskedDiffWithXvec, graphs,
+                                                                        sessions, monkeypatch) -> None:
+    """The encoder's attention runs in QUERY_BLOCKS blocks of queries, so its [H, T, T] and [H, T, 2T-1] score
+    tensors are held a block at a time (the flow encoder's peak memory at full size): the output equals one block's
+    within float32 round-off, also with fewer frames than blocks (empty blocks), and the exported graph has a
+    softmax per block in every layer; ONNX Runtime runs it on 1 and 2 tokens."""
+    assert QUERY_BLOCKS >= 4
+    encoder = flow.encoder
+    layers = len(encoder.encoders) + len(encoder.up_encoders)
+    softmaxes = [n for n in onnx.load(str(graphs[ENCODER_NAME])).graph.node if n.op_type == "Softmax"]
+    assert len(softmaxes) == layers * QUERY_BLOCKS
+    attention = encoder.encoders[0].self_attn
+    torch.manual_seed(0)
+    for size in (1, 3, 50):
+        x = torch.randn(1, size, attention.d_k * attention.heads)
+        visible = torch.rand(size, size) > 0.3
+        visible[:, 0] = True
+        pos_emb = flow_encoder.relative_positions(size, x.shape[2])
+        with torch.no_grad():
+            blocked = attention(x, pos_emb, visible)
+            monkeypatch.setattr(flow_encoder, "QUERY_BLOCKS", 1)
+            whole = attention(x, pos_emb, visible)
+            monkeypatch.setattr(flow_encoder, "QUERY_BLOCKS", QUERY_BLOCKS)
+        assert _max_err(blocked, whole) <= 1e-5 * float(whole.abs().max()), size
+    for tokens in (1, 2):   # and the 3 look-ahead tokens (`_encoder_token`): 2 and 4 frames
+        token = _encoder_token(np.zeros((1, 0), np.int64), np.arange(1, tokens + 1, dtype=np.int64)[None], 3, True)
+        mu, _ = sessions[ENCODER_NAME].run(None, {"token": token, "embedding": np.ones((1, 192), np.float32),
+                                                  "finalize": _flag(True), "streaming": _flag(False)})
+        assert 2 * tokens in mu.shape and np.isfinite(mu).all(), mu.shape
 
 
 @pytest.mark.parametrize("case", HEAVY)
