@@ -23,7 +23,7 @@ Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision 
   are validated with ONNX Runtime CPU.
 
 `INT8_EXCLUDE` keeps the time embedding, the f0 predictor, the STFT / iSTFT and the speech-token head out of int8
-(the cpu targets' head excepted: `CPU_LLM_HEAD`);
+(the cpu targets quantize the head all the same: the note at `CPU_LLM_METHOD`);
 `FP32_NAMES` are the fp32 islands of the fp16 graphs. The transforms themselves are in precision_transforms.py,
 the ladder walk under the quality gates in precision.py.
 """
@@ -44,17 +44,17 @@ from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, in
                                                                name_matches, nbits_weights, static_int8_qdq,
                                                                to_fp16, unsigned_activations)
 
-# The cpu LLM's int8 weight products. "dynamic_rows" (llm_row_int8.py): int8
-# weights per column, each activation row quantized on its own for ONNX Runtime's integer kernel, so the rows of a
-# decode step batched across requests stay exactly independent; measured at full size with the shared cache against
+# The cpu LLM's int8 weight products. "dynamic_rows" (llm_row_int8.py): int8 weights per column, each activation row
+# quantized on its own for ONNX Runtime's integer kernel, so the rows of a decode step batched across requests stay
+# exactly independent; measured at full size with the shared cache against
 # "matmul_nbits" (weight-only MatMulNBits 8-bit, blocks of 128): prefill 141-151 against 327-351 ms, a 4-row step
 # 21-23 against 28-30 ms, 377 against 416 MB, a lone row's step 17.8-18.1 against 16.4-17.4 ms. ORT's own dynamic int8
 # (one activation scale per call) is not offered: one request's rows would change another's.
 CPU_LLM_METHOD = "dynamic_rows"
-# CPU_LLM_HEAD: on the cpu targets the speech-token head (`llm_decoder`, which INT8_EXCLUDE keeps float elsewhere) is
-# row int8 too, after the 4-bit layers on cpu-int4: its float32 weight was 22.4 MB of a decode step's 23.5 MB
-# read from memory for the head. Measured on the full-size CosyVoice2-0.5B cpu LLM: session 384 -> 368 MB, the gate's
-# mean KL 3.9e-5 -> 5.1e-5 (threshold 0.05), decisive top-1 agreement 1.0 either way.
+# The speech-token head (`llm_decoder`, kept float by INT8_EXCLUDE on the other targets) is row int8 on the cpu
+# targets too, after the 4-bit layers on cpu-int4: its float32 weight (22.4 MB at full size) was the largest float
+# tensor left in the graph. Measured on the full-size CosyVoice2-0.5B cpu LLM: session 384 -> 368 MB, the gate's mean
+# KL 3.9e-5 -> 5.1e-5 (threshold 0.05), decisive top-1 agreement 1.0 either way, decode time unchanged.
 CPU_LLM_METHODS = {"matmul_nbits": nbits_weights, "dynamic_rows": int8_rows_dynamic}
 # The cpu flow estimator: ORT dynamic int8 on its constant-weight MatMuls (MatMulInteger with activations quantized
 # per call, fused to DynamicQuantizeMatMul by ORT), measured 1.33x faster per 250-token call than the static QDQ
@@ -168,9 +168,9 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
             shared_kv_llm(fp32, source)
         if v.precision == "int4":
             nbits_weights(source, dst, exclude, bits=4)
-            int8_rows_dynamic(dst, dst)  # the speech-token head, the one float product left (CPU_LLM_HEAD)
+            int8_rows_dynamic(dst, dst)  # the speech-token head, the one float product left (CPU_LLM_METHOD note)
         else:
-            CPU_LLM_METHODS[cpu_llm_method](source, dst, ())  # the head too (CPU_LLM_HEAD)
+            CPU_LLM_METHODS[cpu_llm_method](source, dst, ())  # the head too (CPU_LLM_METHOD note)
         if source != fp32:
             source.unlink()
         return dst

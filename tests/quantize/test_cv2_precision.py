@@ -120,7 +120,7 @@ def test_gpu_fp16_passes_every_stage_gate(bundle):
 def test_cpu_target_has_int8_llm_weights(bundle):
     """The LLM passes its gate at int8 on tiny with int8 weight products whose activations are quantized row by
     row (MatMulIntegerToFloat on uint8 rows, llm_row_int8.py; test_cv2_llm_rows.py checks the rows' independence),
-    the speech-token head's too (CPU_LLM_HEAD)."""
+    the speech-token head's too (precision_targets: the note at CPU_LLM_METHOD)."""
     cpu = bundle.manifest.config["targets"]["cpu"]
     assert cpu["stages"]["llm"] == "int8"
     model = onnx.load(str(bundle.path(bundle.component("llm", "int8").file)))
