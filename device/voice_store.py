@@ -72,13 +72,21 @@ def read_prompt_audio(data: bytes) -> tuple[np.ndarray, int]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` can still write: not gone, and not a zombie (a writer killed with its parent waits to
+    be reaped by PID 1, which in a container may take seconds: a restart meanwhile must still see it dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:  # gone meanwhile
+        return False
+    except OSError:  # no /proc to read: signal 0 reached it
+        return True
+    return "\nState:\tZ" not in status
 
 
 class VoiceStore:
