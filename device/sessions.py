@@ -185,7 +185,7 @@ def create_session(path: Path, config: SessionConfig) -> ort.InferenceSession:
 
 
 _shared_arena_lock = threading.Lock()
-_shared_arena: list[bool] = []
+_shared_arena_registered = False
 
 
 def _register_shared_arena() -> None:
@@ -194,11 +194,12 @@ def _register_shared_arena() -> None:
     regions added up across the flow and HiFT graphs: a full-size `cpu` engine held up to 1000 MB after a stream-off
     request and started the next at up to 920 MB, against 879-892 and 862-886 MB with one arena, at the same flow
     time. Regions grow by powers of two as before: regions of the size asked for made the flow 20-30 % slower."""
+    global _shared_arena_registered
     with _shared_arena_lock:
-        if not _shared_arena:
+        if not _shared_arena_registered:
             info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
             ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 0, -1, -1))  # 0: kNextPowerOfTwo
-            _shared_arena.append(True)
+            _shared_arena_registered = True
 
 
 class ShrinkingSession:
