@@ -72,12 +72,17 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
             "mean": round(statistics.fmean(ordered), 4)}
 
 
-def engine_only(engine: Any, texts: Sequence[str], voice: str | None = None) -> dict[str, Any]:
+def _fields(voice: str | None, preset: str | None) -> dict[str, str]:
+    """The request fields every request of the bench carries, beside text, format and stream."""
+    return {name: value for name, value in (("voice", voice), ("preset", preset)) if value}
+
+
+def engine_only(engine: Any, texts: Sequence[str], fields: dict[str, str]) -> dict[str, Any]:
     """First chunk and whole-stream seconds of `Engine.stream` for each text, one at a time."""
     first, total, audio = [], [], 0.0
     for text in texts:
         start = time.perf_counter()
-        chunks = engine.stream(text, voice=voice)
+        chunks = engine.stream(text, **fields)
         samples = len(next(chunks))
         first.append(time.perf_counter() - start)
         samples += sum(len(chunk) for chunk in chunks)
@@ -88,7 +93,7 @@ def engine_only(engine: Any, texts: Sequence[str], voice: str | None = None) -> 
 
 
 def http_level(host: str, port: int, texts: Sequence[str], concurrency: int, requests: int, stream: bool,
-               arrivals: str, stagger_s: float, voice: str | None = None) -> dict[str, Any]:
+               arrivals: str, stagger_s: float, fields: dict[str, str]) -> dict[str, Any]:
     """`concurrency` clients of `requests` requests each; see the module docstring."""
     results: list[tuple[float, float, float]] = []
     errors: list[str] = []
@@ -99,9 +104,7 @@ def http_level(host: str, port: int, texts: Sequence[str], concurrency: int, req
         if arrivals == "staggered":
             time.sleep(max(0.0, start + index * stagger_s - time.perf_counter()))
         for k in range(requests):
-            body = {"text": texts[(index + k) % len(texts)], "format": "pcm", "stream": stream}
-            if voice:
-                body["voice"] = voice
+            body = {"text": texts[(index + k) % len(texts)], "format": "pcm", "stream": stream, **fields}
             try:
                 result = _post(host, port, body)
             except (OSError, RuntimeError) as exc:
@@ -151,32 +154,34 @@ def _local_service(bundle: str | None, target: str | None) -> Iterator[tuple[str
 def run_api_bench(url: str | None = None, bundle: str | None = None, target: str | None = None,
                   concurrency: Sequence[int] = (1, 4), stream: bool = True, arrivals: str = "staggered",
                   requests: int = 4, texts: Sequence[str] | None = None, stagger_s: float | None = None,
-                  voice: str | None = None, _engine: Any = None) -> dict[str, Any]:
-    """The bench-api report (see the module docstring); `url` measures a running service (no engine-only part)."""
+                  voice: str | None = None, preset: str | None = None, _engine: Any = None) -> dict[str, Any]:
+    """The bench-api report (see the module docstring); `url` measures a running service (no engine-only part).
+    `voice` and `preset` go into every request (HTTP body and engine-only call alike)."""
     texts = texts or SENTENCES
     if arrivals not in ARRIVALS:
         raise ValueError(f"arrivals must be one of {', '.join(ARRIVALS)}")
     if url is None:
         with _local_service(bundle, target) as (local, engine):
             return run_api_bench(local, bundle, target, concurrency, stream, arrivals, requests, texts, stagger_s,
-                                 voice, engine)
+                                 voice, preset, engine)
     host, port = _address(url)
+    fields = _fields(voice, preset)
     if _engine is None:  # a running service may be cold; an in-process one is warm (engine load + readiness)
         try:
-            _post(host, port, {"text": texts[0], "format": "pcm", **({"voice": voice} if voice else {})})
+            _post(host, port, {"text": texts[0], "format": "pcm", **fields})
         except (OSError, http.client.HTTPException, RuntimeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
             raise InputError(f"cannot reach a cosyedge service at {url[:80]}: {reason[:200]}") from None
     report: dict[str, Any] = {"url": url, "bundle": bundle or "default voice", "target": target,
                               "machine": platform.machine(), "python": platform.python_version(), "stream": stream,
-                              "arrivals": arrivals, "texts": len(texts), "requests_per_client": requests}
+                              "arrivals": arrivals, "texts": len(texts), "requests_per_client": requests, **fields}
     if _engine is not None:
-        report["engine"] = engine_only(_engine, texts, voice)
+        report["engine"] = engine_only(_engine, texts, fields)
     levels = []
     single_latency = None
     for level in concurrency:
         gap = stagger_s if stagger_s is not None else (single_latency or 0.0) / max(level, 1)
-        result = http_level(host, port, texts, level, requests, stream, arrivals, gap, voice)
+        result = http_level(host, port, texts, level, requests, stream, arrivals, gap, fields)
         if level == 1:
             single_latency = result["latency_s"]["mean"]
         levels.append(result)
@@ -191,7 +196,8 @@ def format_report(report: dict[str, Any]) -> str:
         return (f"{name:<22} {fa['p50']:>8.3f} {fa['p95']:>8.3f} {lat['p50']:>9.3f} {lat['p95']:>9.3f} "
                 f"{part['audio_s_per_s']:>9.3f}")
 
-    lines = [f"cosyedge bench-api: {report['bundle']} ({report['url']}, {report['machine']}), stream "
+    preset = f", preset {report['preset']}" if "preset" in report else ""
+    lines = [f"cosyedge bench-api: {report['bundle']}{preset} ({report['url']}, {report['machine']}), stream "
              f"{'on' if report['stream'] else 'off'}, arrivals {report['arrivals']}, {report['texts']} texts, "
              f"{report['requests_per_client']} requests per client",
              f"{'':<22} {'first audio s':>17} {'latency s':>19} {'audio s':>9}",

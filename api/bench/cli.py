@@ -28,7 +28,8 @@ def cmd_bench_api(args: argparse.Namespace) -> int:
         raise InputError("--concurrency must be a comma-separated list of positive integers, e.g. 1,4,8")
     report = run_api_bench(url=args.url, bundle=args.bundle, target=args.target, concurrency=levels,
                            stream=args.stream == "on", arrivals=args.arrivals, requests=args.requests,
-                           texts=args.text or None, stagger_s=args.stagger, voice=args.voice)
+                           texts=args.text or None, stagger_s=args.stagger, voice=args.voice,
+                           preset=args.preset)
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -43,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bundle", help="bundle for the in-process service (default: the embedded default voice)")
     p.add_argument("--target", choices=TARGETS, help="a build target of the bundle (in-process service)")
     p.add_argument("--voice", help="voice of every request (default: the bundle's first)")
+    p.add_argument("--preset", help="CosyVoice flow quality preset of every request (default: the bundle's)")
     p.add_argument("--stream", choices=("on", "off"), default="on", help="streamed or whole-file requests")
     p.add_argument("--concurrency", default="1,4", help="comma-separated client counts (default 1,4)")
     p.add_argument("--arrivals", choices=("staggered", "burst"), default="staggered")

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cosyedge.api.bench.api_bench import format_report, run_api_bench
+import pytest
+
+from cosyedge.api.bench.api_bench import _address, _local_service, format_report, http_level, run_api_bench
+from cosyedge.device.errors import InputError
 
 TEXTS = ["Short one.", "A second, slightly longer sentence for the bench."]
 
@@ -52,3 +55,16 @@ def test_bench_api_cache_wyoming_measures_hits_and_both_first_audios(tmp_path: P
     assert all(first[name]["n"] == 1 and first[name]["p50_ms"] > 0
                for name in ("http_first_byte", "wyoming_first_chunk", "wyoming_streaming_first_chunk"))
     assert "cache hit wav" in result.stdout and "first audio wyoming_first_chunk" in result.stdout
+
+
+def test_bench_api_sends_the_preset_on_both_paths(cv2_tiny_bundle: Path):
+    """`--preset` reaches the engine-only run and every HTTP body: an unknown preset fails both, a listed one runs."""
+    zh = ["收到好友从远方寄来的生日礼物。"]
+    report = run_api_bench(bundle=str(cv2_tiny_bundle), concurrency=(1,), requests=1, texts=zh, preset="fast")
+    assert report["preset"] == "fast" and not report["http"][0]["errors"]
+    assert "preset fast" in format_report(report)
+    with pytest.raises(InputError, match="preset"):
+        run_api_bench(bundle=str(cv2_tiny_bundle), concurrency=(1,), requests=1, texts=zh, preset="turbo")
+    with _local_service(str(cv2_tiny_bundle), None) as (url, _engine):
+        with pytest.raises(RuntimeError, match="unknown_preset"):
+            http_level(*_address(url), zh, 1, 1, False, "burst", 0.0, {"preset": "turbo"})
