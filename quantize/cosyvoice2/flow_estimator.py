@@ -27,9 +27,10 @@ MASKED = -1.0e10            # additive attention bias of a hidden position (offi
 
 
 class PromptState:
-    """One call's view of the prompt state: the past it reads (`hidden` [L, B, P, D] for the L transformer blocks
-    in call order, `conv` [B, S, kernel - 1] for the causal convolutions in call order, their input channels
-    concatenated) and, for `keep` > 0, the state of its own first `keep` frames, collected in the same order."""
+    """One call's view of the prompt state: the past it reads (`hidden` [L, B or 1, P, D] for the L transformer
+    blocks in call order, `conv` [B or 1, S, kernel - 1] for the causal convolutions in call order, their input
+    channels concatenated) and, for `keep` > 0, the state of its own first `keep` frames, collected in the same
+    order."""
 
     def __init__(self, hidden: torch.Tensor, conv: torch.Tensor, keep: torch.Tensor) -> None:
         self.hidden, self.conv, self.keep = hidden, conv, keep
@@ -42,8 +43,10 @@ class PromptState:
         return self.hidden.shape[2]
 
     def keep_frames(self, h: torch.Tensor) -> torch.Tensor:
-        """h [B, T, D] -> past of the next block: the first `keep` frames of h; the block's own past is returned."""
-        past = self.hidden[len(self.kept_hidden)]
+        """h [B, T, D] -> past of the next block: the first `keep` frames of h; the block's own past is returned,
+        broadcast to h's rows here, one block at a time (a whole-state broadcast up front copied every block's past
+        at once: 20 MB more at the stream-on estimator call's peak, CosyVoice2-0.5B size)."""
+        past = self.hidden[len(self.kept_hidden)].expand(h.shape[0], -1, -1)
         self.kept_hidden.append(h.index_select(1, torch.arange(self.keep[0])))
         return past
 
@@ -51,7 +54,7 @@ class PromptState:
         """x [B, C, T] -> [B, C, width + T]: this convolution's past frames before x, and the `width` input frames
         that end at frame `keep` kept for the next call."""
         cin = x.shape[1]
-        past = self.conv[:, self._channel:self._channel + cin, :width]
+        past = self.conv[:, self._channel:self._channel + cin, :width].expand(x.shape[0], -1, -1)
         self._channel += cin
         padded = torch.cat([past, x], dim=2)
         self.kept_conv.append(padded.index_select(2, torch.arange(width) + self.keep[0]))

@@ -97,8 +97,7 @@ class PromptStateEstimatorGraph(EstimatorGraph):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,  # type: ignore[override]
                 spks: torch.Tensor, cond: torch.Tensor, streaming: torch.Tensor, past_hidden: torch.Tensor,
                 past_conv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = x.shape[0]
-        state = PromptState(past_hidden.expand(-1, rows, -1, -1), past_conv.expand(rows, -1, -1), keep)
+        state = PromptState(past_hidden, past_conv, keep)   # broadcast to x's rows block by block
         velocity = self.flow.velocity(x, mask, mu, t, spks, cond, streaming, state)
         return (velocity, *state.outputs())
 

@@ -229,12 +229,16 @@ def to_fp16(src: Path | onnx.ModelProto, dst: Path, keep_fp32: Callable[[onnx.No
     """fp16 compute everywhere except nodes where `keep_fp32(node)` (and `FP32_OPS`); graph I/O stays float32.
 
     Float initializers and constants read by fp16 nodes get fp16 copies clamped to +-65504 (attention-bias
-    constants such as -1e10 or float32 min would become -inf); Casts are inserted where precisions meet.
+    constants such as -1e10 or float32 min would become -inf); Casts are inserted where precisions meet, and in front
+    of an fp16 reader of an overridable initializer (an input with a default: it is read as an input).
     """
     model = onnx.load(str(src)) if not isinstance(src, onnx.ModelProto) else src
     graph = model.graph
     floats = _float_tensors(model)
-    inits = _initializers(graph)
+    inputs = {i.name for i in graph.input}
+    # An initializer that is also a graph input is an overridable default (the prompt state's): a fed value replaces
+    # it, so an fp16 reader gets a Cast of the input, never an fp16 copy of the default.
+    inits = {name: t for name, t in _initializers(graph).items() if name not in inputs}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in graph.node:
         for name in node.input:
@@ -302,3 +306,4 @@ def to_fp16(src: Path | onnx.ModelProto, dst: Path, keep_fp32: Callable[[onnx.No
     graph.node.extend(new_nodes)
     del graph.value_info[:]
     return _save(model, dst)
+

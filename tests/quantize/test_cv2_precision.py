@@ -367,3 +367,34 @@ def test_device_runtime_runs_every_target_and_auto_picks_cpu(bundle):
         got = engine.synthesize_waveform(text, voice="tiny_spk_zh", sampling="greedy", deterministic=True)
         assert got.size > 0 and np.all(np.isfinite(got)) and np.abs(got).max() <= 1.0, target
         assert abs(got.size - want.size) <= want.size // 2, target  # greedy tokens may differ a little, not wildly
+
+
+
+@pytest.mark.parametrize("target,graph_precision", [("gpu-fp16", "fp16"), ("trt-int8", "int8")])
+def test_fp16_estimators_read_a_fed_prompt_state(cv2_tiny_bundle, tmp_path, target, graph_precision):
+    """The prompt state's inputs are overridable initializers (flow_export.STATE_DEFAULTS): the fp16 graphs (and the
+    trt-int8 QDQ graph, fp16 between its int8 products; built here, as on tiny its stage falls back) must read a fed
+    state, not an fp16 copy of the empty default. With a random 6-frame past fed, the velocity is within a third of
+    the state's own effect of the fp32 graph's on the same feeds, and within the flow gate's cosine. Mutation
+    checked: with `to_fp16` copying every float initializer read by an fp16 node, both fail."""
+    tiny = Bundle.load(cv2_tiny_bundle)   # fp32 only: this test does not need the targets' build to succeed
+    fp32 = {name: tiny.path(tiny.component(name, "fp32").file) for name in GRAPHS}
+    source = fp32["flow_estimator"]
+    defaults = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(source)).graph.initializer
+                if t.name in ("past_hidden", "past_conv")}
+    layers, _, _, width = defaults["past_hidden"].shape
+    rng = np.random.default_rng(1)
+    stateless = _feeds(source)
+    feeds = {**stateless, "past_hidden": rng.standard_normal((layers, 1, 6, width), dtype=np.float32),
+             "past_conv": rng.standard_normal(defaults["past_conv"].shape, dtype=np.float32),
+             "keep": np.zeros(1, np.int64)}
+    v = precision_targets.variant(target, "flow_estimator", graph_precision)
+    calibration = Gates(GateConfig.from_bundle(tiny), fp32).flow_calibration()[0] if graph_precision == "int8" \
+        else None
+    graph = precision_targets.build_variant(v, source, tmp_path / f"{v.component}.onnx", calibration)
+    want, alone = (session(source).run(["velocity"], f)[0] for f in (feeds, stateless))
+    got = session(graph).run(["velocity"], feeds)[0]
+    cosine = float((want * got).sum() / (np.linalg.norm(want) * np.linalg.norm(got)))
+    assert np.abs(got - want).max() < np.abs(want - alone).max() / 3
+    assert cosine >= THRESHOLDS["flow"]["mel_cosine_min"], cosine
+
