@@ -40,9 +40,9 @@ from cosyedge.quantize.cosyvoice2.attention_fusion import fuse_attention
 from cosyedge.quantize.cosyvoice2.llm_row_int8 import int8_rows_dynamic
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
 from cosyedge.quantize.cosyvoice2.mish_rewrite import mish_by_exp
-from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_weights_dynamic,
-                                                               name_matches, nbits_weights, static_int8_qdq,
-                                                               to_fp16, unsigned_activations)
+from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_table_rows,
+                                                               int8_weights_dynamic, name_matches, nbits_weights,
+                                                               static_int8_qdq, to_fp16, unsigned_activations)
 
 # The cpu LLM's int8 weight products. "dynamic_rows" (llm_row_int8.py): int8 weights per column, each activation row
 # quantized on its own for ONNX Runtime's integer kernel, so the rows of a decode step batched across requests stay
@@ -109,6 +109,9 @@ class GraphRules:
     # the exclusions of a `dynamic_int8` graph where they differ from `int8_exclude` (activations quantized per
     # call need no calibrated range, so some products kept float for static QDQ can be int8 there)
     dynamic_int8_exclude: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # graphs whose cpu int8 variant gathers its large embedding tables from int8 rows (precision_transforms.
+    # int8_table_rows): the session holds a quarter of each table
+    int8_tables: frozenset[str] = frozenset()
 
 
 # The cpu estimator's time MLPs (`time_mlp` and each block's `mlp`: 19 MB of float32 weights at full size, one
@@ -117,7 +120,8 @@ class GraphRules:
 CV2_RULES = GraphRules(INT8_EXCLUDE, FP32_NAMES, frozenset({"flow_encoder", *(("flow_estimator",) if CPU_FLOW_DYNAMIC
                                                                                 else ())}),
                        fused_attention=frozenset({"flow_estimator"}), shared_kv=frozenset({"llm"}),
-                       dynamic_int8_exclude={"flow_estimator": (r"/time_embeddings", r"^/estimator/final_proj/")})
+                       dynamic_int8_exclude={"flow_estimator": (r"/time_embeddings", r"^/estimator/final_proj/")},
+                       int8_tables=frozenset({"flow_encoder"}))
 
 
 def fp32_island(graph_name: str, quantized: bool = False, rules: GraphRules = CV2_RULES
@@ -181,6 +185,8 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
             unsigned_activations(static_int8_qdq(fp32, dst, calibration or (), exclude), dst)
         if v.graph in rules.fused_attention:
             fuse_attention(dst, dst)
+        if v.graph in rules.int8_tables:
+            int8_table_rows(dst, dst)
         mish_by_exp(dst, dst)  # ORT's CPU Softplus is scalar (mish_rewrite.py); a graph without Mish is unchanged
         return dst
     qdq = dst.with_name(f"{dst.stem}.qdq32.onnx")

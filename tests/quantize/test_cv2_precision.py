@@ -398,3 +398,40 @@ def test_fp16_estimators_read_a_fed_prompt_state(cv2_tiny_bundle, tmp_path, targ
     assert np.abs(got - want).max() < np.abs(want - alone).max() / 3
     assert cosine >= THRESHOLDS["flow"]["mel_cosine_min"], cosine
 
+
+def test_cpu_encoder_gathers_its_token_table_from_int8_rows(cv2_tiny_bundle, tmp_path):
+    """The cpu int8 flow encoder holds its speech-token embedding as int8 rows and one scale per row
+    (`GraphRules.int8_tables`, precision_transforms.int8_table_rows): no float table of >= 1024 rows is left, each
+    gathered row is the row's int8 rounding (within half a step of the float row), and the encoder's output stays
+    within the flow gate's cosine of the float table's. Mutation checked: without the call in `build_variant` the
+    float table is still there."""
+    tiny = Bundle.load(cv2_tiny_bundle)
+    source = tiny.path(tiny.component("flow_encoder", "fp32").file)
+    table = next(t for t in onnx.load(str(source)).graph.initializer if t.name == "flow.input_embedding.weight")
+    v = precision_targets.variant("cpu", "flow_encoder", "int8")
+    built = onnx.load(str(precision_targets.build_variant(v, source, tmp_path / "flow_encoder.int8.onnx", None)))
+    assert not [t.name for t in built.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+                and len(t.dims) == 2 and t.dims[0] >= 1024 and t.dims[1] > 1]   # a table (not a column of scales)
+    rows = {t.name: onnx.numpy_helper.to_array(t) for t in built.graph.initializer if t.name.startswith(table.name)}
+    assert rows[f"{table.name}_q"].dtype == np.int8 and rows[f"{table.name}_scale"].shape == (table.dims[0], 1)
+
+    ids = onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1, None])
+    out = onnx.helper.make_tensor_value_info("rows", onnx.TensorProto.FLOAT, None)
+    value = np.random.default_rng(2).standard_normal((1500, 8)).astype(np.float32) * np.linspace(0.01, 10, 1500,
+                                                                                                   dtype=np.float32)[:, None]
+    gather = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "ids"], ["rows"], name="/embed/Gather")], "g", [ids], [out],
+        [onnx.numpy_helper.from_array(value, "table")]), opset_imports=[onnx.helper.make_opsetid("", 17)])
+    onnx.save(gather, str(tmp_path / "gather.onnx"))
+    assert precision_transforms.int8_table_rows(tmp_path / "gather.onnx", tmp_path / "rows.onnx") == 1
+    pick = np.array([[0, 7, 1499, 7, 600]], np.int64)
+    got = session(tmp_path / "rows.onnx").run(None, {"ids": pick})[0]
+    step = np.abs(value).max(axis=1) / 127
+    assert got.shape == (1, 5, 8) and (np.abs(got[0] - value[pick[0]]) <= step[pick[0], None] / 2 + 1e-6).all()
+
+    feeds = _feeds(source)
+    want = session(source).run(["mu"], feeds)[0]
+    rewritten = precision_transforms.int8_table_rows(source, tmp_path / "encoder_rows.onnx")
+    got = session(tmp_path / "encoder_rows.onnx").run(["mu"], feeds)[0]
+    cosine = float((want * got).sum() / (np.linalg.norm(want) * np.linalg.norm(got)))
+    assert rewritten == 1 and cosine >= THRESHOLDS["flow"]["mel_cosine_min"], cosine
