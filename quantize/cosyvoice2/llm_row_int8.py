@@ -27,7 +27,7 @@ from onnx import helper, numpy_helper
 
 from cosyedge.quantize.cosyvoice2.graph_index import GraphIndex, finish
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import MS_DOMAIN
-from cosyedge.quantize.cosyvoice2.precision_transforms import name_matches
+from cosyedge.quantize.cosyvoice2.precision_transforms import name_matches, symmetric_int8
 
 ZERO_POINT = 128  # uint8 activations, symmetric around it: x / s lies in [-127, 127]
 
@@ -62,10 +62,9 @@ def int8_rows_dynamic(src: Path, dst: Path, exclude: Sequence[str] = ()) -> int:
             quantized.add(stored)
             w = numpy_helper.to_array(weight).astype(np.float32)
             w = np.ascontiguousarray(w.T) if transposed else w
-            w_scale = np.maximum(np.abs(w).max(axis=0), np.float32(1e-12)) / np.float32(127)
-            w_q = np.clip(np.rint(w / w_scale), -127, 127).astype(np.int8)
+            w_q, w_scale = symmetric_int8(w, 0, 1e-12)
             constants += [numpy_helper.from_array(w_q, f"{stored}/int8"),
-                          numpy_helper.from_array(w_scale.astype(np.float32), f"{stored}/scale")]
+                          numpy_helper.from_array(w_scale.reshape(-1), f"{stored}/scale")]
         p = f"{node.name}/rows"
         scaled = f"{p}/scaled" if bias else node.output[0]
         nodes += [helper.make_node("MatMulIntegerToFloat",

@@ -310,6 +310,14 @@ def to_fp16(src: Path | onnx.ModelProto, dst: Path, keep_fp32: Callable[[onnx.No
 
 # ------------------------------------------------------------------------------------------- int8 table rows
 
+def symmetric_int8(values: np.ndarray, axis: int, floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """(q, scale): `values` as int8 with one float32 scale per slice along `axis` (kept as a size-1 axis), scale =
+    max(max |slice|, floor) / 127 and q = round(values / scale), so that q * scale is the slice's nearest int8 grid
+    point (the cpu LLM's weight columns, an embedding table's rows)."""
+    scale = np.maximum(np.abs(values).max(axis=axis, keepdims=True), np.float32(floor)) / np.float32(127)
+    return np.clip(np.rint(values / scale), -127, 127).astype(np.int8), scale.astype(np.float32)
+
+
 def int8_table_rows(src: Path, dst: Path, min_rows: int = 1024) -> int:
     """Every Gather along axis 0 of a float32 table initializer of at least `min_rows` rows (the flow encoder's
     speech-token embedding, [6561, 512]: 13.4 MB at full size) reads int8 rows and a per-row scale instead:
@@ -331,11 +339,9 @@ def int8_table_rows(src: Path, dst: Path, min_rows: int = 1024) -> int:
             nodes.append(node)
             continue
         if table.name not in rewritten:
-            value = numpy_helper.to_array(table)
-            scale = np.maximum(np.abs(value).max(axis=1, keepdims=True), np.finfo(np.float32).tiny) / 127
-            graph.initializer.extend([
-                numpy_helper.from_array(np.clip(np.rint(value / scale), -127, 127).astype(np.int8), f"{table.name}_q"),
-                numpy_helper.from_array(scale.astype(np.float32), f"{table.name}_scale")])
+            q, scale = symmetric_int8(numpy_helper.to_array(table), 1, np.finfo(np.float32).tiny)
+            graph.initializer.extend([numpy_helper.from_array(q, f"{table.name}_q"),
+                                      numpy_helper.from_array(scale, f"{table.name}_scale")])
             rewritten.add(table.name)
         out, ids = node.output[0], node.input[1]
         nodes += [helper.make_node("Gather", [f"{table.name}_q", ids], [f"{out}_q"], name=f"{node.name}_q", axis=0),
