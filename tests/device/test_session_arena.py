@@ -113,3 +113,31 @@ def test_shrinking_graphs_share_one_arena(cv2_tiny_bundle):
     probe = json.loads(out.stdout.strip().splitlines()[-1])
     assert probe["held_mb"] >= 20, probe    # the decoder's output really held its region (measured 32 MB)
     assert probe["after_mb"] <= 10, probe
+
+
+LARGE_BUFFER_PROBE = r"""
+import json, sys
+from pathlib import Path
+import numpy as np
+from cosyedge.device.sessions import SessionConfig
+
+def rss():
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+SessionConfig(providers=("cpu",), intra_op_threads=1).create(Path(sys.argv[1]))
+before = rss()
+for _ in range(3):  # 8 MB each: glibc's default threshold would serve the 2nd and 3rd from the heap and keep them
+    buffer = np.ones(2 << 20, np.float32)
+    del buffer
+print(json.dumps({"held_mb": rss() - before}))
+"""
+
+
+def test_freed_large_buffers_leave_the_process(cv2_tiny_bundle):
+    """Once a flow or HiFT session exists, a freed buffer of several MB goes back to the system at once (glibc's
+    mmap threshold is fixed): with glibc's default, the second and later 8 MB buffers stay resident (+8 MB)."""
+    bundle = Bundle.load(cv2_tiny_bundle)
+    path = bundle.path(bundle.component("hift_decoder", "fp32").file)
+    done = subprocess.run([sys.executable, "-c", LARGE_BUFFER_PROBE, str(path)], capture_output=True, text=True,
+                          check=True, timeout=120)
+    assert json.loads(done.stdout.strip().splitlines()[-1])["held_mb"] < 2
