@@ -196,7 +196,8 @@ def test_the_end_of_a_drain_is_heard_by_the_thread_that_asked(tmp_path):
         assert b'"shutting_down"' in said, said  # the idle client was told, then closed
     finally:
         idle.close()
-    assert listener.loop is not None and not listener.loop.is_running()
+    # the loop stops right after the answer is set, on its own thread: wait for it (asserting at once raced it)
+    _wait_until("the listener's loop stopped", lambda: listener.loop is not None and not listener.loop.is_running())
 
 
 def _in_flight(service: ServiceProcess) -> float:
