@@ -44,10 +44,11 @@ demo: runtime  ## speak a sentence with the embedded default voice into demo.wav
 
 # Two pytest workers, each taking whole test files (their module fixtures are built once): the suite's many waits
 # on servers and subprocesses overlap. A fresh clone's `.ci/run` on a 2-core box: the tests 2039 s in one process
-# (06b153d), 979 s on two workers (bce6979). TEST_WORKERS=0 runs it in one process.
+# (06b153d), 979 s on two workers (bce6979). TEST_WORKERS=0 runs it in one process. -rfEs: the failed, errored
+# and skipped tests are listed (with the reason) after the durations, at the end of the log CI shows.
 TEST_WORKERS ?= 2
 test: buildhost  ## the whole test suite (what CI runs) on TEST_WORKERS workers, with its 30 slowest tests listed
-	$(BIN)/python -m pytest -q -rs --durations=30 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rfEs --durations=30 -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 FUZZ_REQUESTS ?= 10000
 FUZZ_SESSIONS ?= 300
