@@ -94,6 +94,10 @@ class Flow:
         self._state_chunk = chunk
         self._state_frame_bytes = blocks * (width + 4) if quantized_state else blocks * width * 4  # int8: + scales
         self._state_conv_bytes = conv * np.dtype(np.float32).itemsize
+        # an estimator that reads an int8 past (flow_export.py `past_hidden_q`) is fed the cached int8 state as it
+        # is: a quarter of the float feed (full size, official stream on: 5 MB, not 20 MB); older bundles: float
+        self._int8_feed = quantized_state and "past_hidden_q" in {
+            i.name for i in estimator.get_overridable_initializers()}
 
     @property
     def official(self) -> Preset:
@@ -224,7 +228,7 @@ class Flow:
         for step in range(1, preset.steps + 1):
             if pause is not None:
                 pause()
-            state = _past_feeds(past, step - 1, step <= preset.cfg_steps) | extra
+            state = _past_feeds(past, step - 1, step <= preset.cfg_steps, self._int8_feed) | extra
             if step <= preset.cfg_steps:
                 v, *kept = self._estimator.run(outputs, guided | state | {"x": np.concatenate([x, x]),
                                                                           "t": np.full(2 * rows, t, np.float32)})
@@ -240,19 +244,24 @@ class Flow:
         return x.astype(np.float32, copy=False)
 
 
-def _past_feeds(past: Sequence[PromptState], step: int, guided: bool) -> dict[str, np.ndarray]:
+def _past_feeds(past: Sequence[PromptState], step: int, guided: bool, int8: bool = False) -> dict[str, np.ndarray]:
     """The estimator's prompt-state inputs of one Euler step for rows with states `past` (none: no inputs). A guided
-    call's rows are every row's conditional one, then every unconditional one, as each state holds them."""
+    call's rows are every row's conditional one, then every unconditional one, as each state holds them. `int8`:
+    int8 states go in as `past_hidden_q` / `past_hidden_scale` (the graph dequantizes them block by block)."""
     if not past:
         return {}
-    if len(past) == 1:
-        hidden, conv = past[0].steps[step]
-    else:
-        halves = (slice(0, 1), slice(1, 2)) if guided else (slice(0, 1),)
-        hidden = np.concatenate([s.steps[step][0][:, half].astype(np.float32, copy=False)
-                                 for half in halves for s in past], axis=1)
-        conv = np.concatenate([s.steps[step][1][half] for half in halves for s in past], axis=0)
-    return {"past_hidden": hidden.astype(np.float32, copy=False), "past_conv": conv}
+    halves = (slice(0, 1), slice(1, 2)) if guided else (slice(0, 1),)
+    parts = [s.steps[step][0] for s in past] if len(past) == 1 else \
+        [s.steps[step][0][:, half] for half in halves for s in past]
+    conv = past[0].steps[step][1] if len(past) == 1 else \
+        np.concatenate([s.steps[step][1][half] for half in halves for s in past], axis=0)
+    def rows(arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)
+
+    if int8 and all(isinstance(part, Int8Hidden) for part in parts):
+        return {"past_hidden_q": rows([p.values for p in parts]), "past_hidden_scale": rows([p.scales for p in parts]),
+                "past_conv": conv}
+    return {"past_hidden": rows([p.astype(np.float32, copy=False) for p in parts]), "past_conv": conv}
 
 
 def stretch_mel(mel: np.ndarray, speed: float) -> np.ndarray:

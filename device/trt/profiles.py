@@ -106,9 +106,11 @@ def _cosyvoice2_ranges(c: dict[str, Any], d: DeviceProfile) -> dict[str, dict[st
         "llm": {"batch": (1, 1, rows), "length": (1, 1, b.prefill), "past": _clamp(512, 0, b.cache),
                 "total": _clamp(513, 1, b.cache + 1)},
         "flow_encoder": {"tokens": _clamp(256, 1, b.budget + b.lookahead)},
-        # the prompt state (cosyvoice2/prompt_cache.py): none past by default, up to a prompt's whole chunks
+        # the prompt state (cosyvoice2/prompt_cache.py): none past by default, up to a prompt's whole chunks; its
+        # int8 form (q_rows, past_q) only in an fp32 graph (the fp16 and trt-int8 graphs drop those inputs)
         "flow_estimator": {"batch": (2, 2, 2 * d.flow_rows), "frames": _clamp(500, 1, d.max_frames),
-                           "state_rows": (1, 2, 2 * d.flow_rows), "past": _clamp(150, 0, d.max_frames)},
+                           "state_rows": (1, 2, 2 * d.flow_rows), "past": _clamp(150, 0, d.max_frames),
+                           "q_rows": (1, 2, 2 * d.flow_rows), "past_q": _clamp(150, 0, d.max_frames)},
         "hift_source": hift,
         "hift_decoder": hift,
     }

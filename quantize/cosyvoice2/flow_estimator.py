@@ -32,21 +32,29 @@ class PromptState:
     channels concatenated) and, for `keep` > 0, the state of its own first `keep` frames, collected in the same
     order."""
 
-    def __init__(self, hidden: torch.Tensor, conv: torch.Tensor, keep: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, conv: torch.Tensor, keep: torch.Tensor,
+                 hidden_q: torch.Tensor | None = None, hidden_scale: torch.Tensor | None = None) -> None:
         self.hidden, self.conv, self.keep = hidden, conv, keep
+        self.hidden_q, self.hidden_scale = hidden_q, hidden_scale
         self.kept_hidden: list[torch.Tensor] = []
         self.kept_conv: list[torch.Tensor] = []
         self._channel = 0
 
     @property
     def past(self) -> torch.Tensor:
-        return self.hidden.shape[2]
+        return self.hidden.shape[2] + (0 if self.hidden_q is None else self.hidden_q.shape[2])
 
     def keep_frames(self, h: torch.Tensor) -> torch.Tensor:
         """h [B, T, D] -> past of the next block: the first `keep` frames of h; the block's own past is returned,
         broadcast to h's rows here, one block at a time (a whole-state broadcast up front copied every block's past
-        at once: 20 MB more at the stream-on estimator call's peak, CosyVoice2-0.5B size)."""
-        past = self.hidden[len(self.kept_hidden)].expand(h.shape[0], -1, -1)
+        at once: 20 MB more at the stream-on estimator call's peak, CosyVoice2-0.5B size). A past fed as int8
+        (`hidden_q` [L, R, Q, D], `hidden_scale` [L, R, Q, 1]) is dequantized here too, one block at a time, and
+        follows the float past's frames: the call's input is a quarter of the float one's size."""
+        block = len(self.kept_hidden)
+        past = self.hidden[block].expand(h.shape[0], -1, -1)
+        if self.hidden_q is not None and self.hidden_scale is not None:
+            dequantized = self.hidden_q[block].to(h.dtype) * self.hidden_scale[block]
+            past = torch.cat([past, dequantized.expand(h.shape[0], -1, -1)], dim=1)
         self.kept_hidden.append(h.index_select(1, torch.arange(self.keep[0])))
         return past
 

@@ -34,6 +34,10 @@ M = mel bins (80). Flags are int64 [1] with value 0 or 1 (one graph covers both 
            past_conv  float32 [R, S, 2]   optional (default zeros): those frames' last 2 inputs of each causal
                                           convolution (S: their input channels together)
            keep       int64   [1]         optional (default 0): frames of x whose state the call returns
+           past_hidden_q int8 [L, R, Q, D], past_hidden_scale float32 [L, R, Q, 1]  optional (default: none, Q = 0):
+                                          more past frames after past_hidden's, as int8 values and one scale per
+                                          block, row and frame (device/cosyvoice2/prompt_cache.py `Int8Hidden`);
+                                          each block dequantizes only its own
   outputs  velocity   float32 [B, M, T]
            present_hidden float32 [L, B, keep, D], present_conv float32 [B, S, 2]: the state after x's first
                                           `keep` frames (past frames before them)
@@ -96,20 +100,23 @@ class PromptStateEstimatorGraph(EstimatorGraph):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,  # type: ignore[override]
                 spks: torch.Tensor, cond: torch.Tensor, streaming: torch.Tensor, past_hidden: torch.Tensor,
-                past_conv: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        state = PromptState(past_hidden, past_conv, keep)   # broadcast to x's rows block by block
+                past_conv: torch.Tensor, keep: torch.Tensor, past_hidden_q: torch.Tensor,
+                past_hidden_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        state = PromptState(past_hidden, past_conv, keep, past_hidden_q, past_hidden_scale)  # block by block
         velocity = self.flow.velocity(x, mask, mu, t, spks, cond, streaming, state)
         return (velocity, *state.outputs())
 
 
-STATE_DEFAULTS = ("past_hidden", "past_conv", "keep")
+STATE_DEFAULTS = ("past_hidden", "past_conv", "keep", "past_hidden_q", "past_hidden_scale")
 
 
 def _state_defaults(layers: int, width: int, channels: int) -> Callable[[onnx.ModelProto], None]:
     """The prompt state's inputs become overridable initializers: none past, zero convolution history, keep 0."""
     def edit(model: onnx.ModelProto) -> None:
         defaults = {"past_hidden": np.zeros((layers, 1, 0, width), np.float32),
-                    "past_conv": np.zeros((1, channels, 2), np.float32), "keep": np.zeros(1, np.int64)}
+                    "past_conv": np.zeros((1, channels, 2), np.float32), "keep": np.zeros(1, np.int64),
+                    "past_hidden_q": np.zeros((layers, 1, 0, width), np.int8),
+                    "past_hidden_scale": np.zeros((layers, 1, 0, 1), np.float32)}
         model.graph.initializer.extend(onnx.numpy_helper.from_array(value, name) for name, value in defaults.items())
     return edit
 
@@ -164,10 +171,14 @@ def export_flow_graphs(module: nn.Module, out_dir: Path, metadata: dict[str, str
         net = module.decoder.estimator
         layers, width, channels = net.layers(), net.config.channels, net.conv_channels()
         estimator, edit = PromptStateEstimatorGraph(module), _state_defaults(layers, width, channels)  # type: ignore[arg-type]
-        estimator_args += (torch.randn(layers, b, 5, width), torch.randn(b, channels, 2), torch.tensor([2]))
+        estimator_args += (torch.randn(layers, b, 5, width), torch.randn(b, channels, 2), torch.tensor([2]),
+                           torch.randint(-127, 128, (layers, b, 4, width), dtype=torch.int8),
+                           torch.rand(layers, b, 4, 1) / 127)
         estimator_inputs += list(STATE_DEFAULTS)
         estimator_outputs += ["present_hidden", "present_conv"]
         estimator_axes |= {"past_hidden": {1: "state_rows", 2: "past"}, "past_conv": {0: "state_rows"},
+                           "past_hidden_q": {1: "q_rows", 2: "past_q"},
+                           "past_hidden_scale": {1: "q_rows", 2: "past_q"},
                            "present_hidden": {1: "batch", 2: "kept"}, "present_conv": {0: "batch"}}
     jobs = {
         ENCODER_NAME: (

@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 
 from cosyedge.quantize.cosyvoice2.attention_fusion import fuse_attention
+from cosyedge.quantize.cosyvoice2.empty_inputs import drop_empty_inputs
 from cosyedge.quantize.cosyvoice2.llm_row_int8 import int8_rows_dynamic
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
 from cosyedge.quantize.cosyvoice2.mish_rewrite import mish_by_exp
@@ -55,6 +56,9 @@ CPU_LLM_METHOD = "dynamic_rows"
 # targets too, after the 4-bit layers on cpu-int4: its float32 weight (22.4 MB at full size) was the largest float
 # tensor left in the graph. Measured on the full-size CosyVoice2-0.5B cpu LLM: session 384 -> 368 MB, the gate's mean
 # KL 3.9e-5 -> 5.1e-5 (threshold 0.05), decisive top-1 agreement 1.0 either way, decode time unchanged.
+# Inputs only the CPU runtime feeds: the estimator's int8 prompt state (flow_export.py), empty by default. The
+# TensorRT-facing graphs (fp16, trt-int8 QDQ) drop them (empty_inputs.py): their I/O stays float32 / int64.
+CPU_ONLY_INPUTS = ("past_hidden_q", "past_hidden_scale")
 CPU_LLM_METHODS = {"matmul_nbits": nbits_weights, "dynamic_rows": int8_rows_dynamic}
 # The cpu flow estimator: ORT dynamic int8 on its constant-weight MatMuls (MatMulInteger with activations quantized
 # per call, fused to DynamicQuantizeMatMul by ORT), measured 1.33x faster per 250-token call than the static QDQ
@@ -157,12 +161,21 @@ def uncalibrated(graph: str, rules: GraphRules = CV2_RULES) -> bool:
     return graph in STAGE_GRAPHS["llm"] or graph in rules.dynamic_int8
 
 
+def _tensorrt_inputs(fp32: Path) -> Path | onnx.ModelProto:
+    """`fp32` itself, or, where it has CPU_ONLY_INPUTS, the graph without them (loaded only then: the LLM's
+    external weights are never read here)."""
+    inputs = {i.name for i in onnx.load(str(fp32), load_external_data=False).graph.input}
+    if not inputs & set(CPU_ONLY_INPUTS):
+        return fp32
+    return drop_empty_inputs(onnx.load(str(fp32)), CPU_ONLY_INPUTS)
+
+
 def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[str, np.ndarray]] | None,
                   cpu_llm_method: str = CPU_LLM_METHOD, rules: GraphRules = CV2_RULES) -> Path:
     """Write the graph of variant `v` from its fp32 export `fp32` into `dst` (node rules of the family `rules`)."""
     exclude = rules.int8_exclude.get(v.graph, ())
     if v.precision == "fp16":
-        return to_fp16(fp32, dst, fp32_island(v.graph, rules=rules))
+        return to_fp16(_tensorrt_inputs(fp32), dst, fp32_island(v.graph, rules=rules))
     if v.precision not in ("int4", "int8") or (v.precision == "int4" and v.graph not in STAGE_GRAPHS["llm"]):
         raise ValueError(f"no transform of {v.graph} to {v.precision}")
     if v.component == v.graph and v.graph in STAGE_GRAPHS["llm"]:     # the cpu targets' LLM: weight-only
@@ -190,7 +203,13 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
         mish_by_exp(dst, dst)  # ORT's CPU Softplus is scalar (mish_rewrite.py); a graph without Mish is unchanged
         return dst
     qdq = dst.with_name(f"{dst.stem}.qdq32.onnx")
-    static_int8_qdq(fp32, qdq, calibration or (), exclude)
+    source = _tensorrt_inputs(fp32)
+    if isinstance(source, onnx.ModelProto):
+        onnx.save(source, str(source_path := dst.with_name(f"{dst.stem}.io32.onnx")))
+        source = source_path
+    static_int8_qdq(source, qdq, calibration or (), exclude)
+    if source != fp32:
+        source.unlink()
     to_fp16(qdq, dst, fp32_island(v.graph, quantized=True, rules=rules))
     qdq.unlink()
     return dst

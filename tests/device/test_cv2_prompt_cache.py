@@ -184,6 +184,46 @@ def test_warm_up_builds_the_default_voices_state_once(cv2_tiny_bundle):
     assert pipeline._flow.prompt_state(prompt, pipeline._presets["fastest"], build=False) is not None
 
 
+class FeedRecorder(FrameCounter):
+    """Also records each call's prompt-state inputs: name -> dtype."""
+
+    def __init__(self, session) -> None:
+        super().__init__(session)
+        self.fed: list[dict[str, str]] = []
+
+    def run(self, outputs, feeds, *args):
+        self.fed.append({k: str(v.dtype) for k, v in feeds.items() if k.startswith("past_hidden")})
+        return super().run(outputs, feeds, *args)
+
+
+def test_an_int8_state_is_fed_as_int8_with_the_mel_of_its_float_values(engines):
+    """Where the state is kept in int8 (the cpu targets: `quantized_state`), the estimator is fed it as int8
+    (`past_hidden_q` / `past_hidden_scale`: a quarter of the float feed) and gives the mel of feeding its float
+    values, for a guided preset (2 rows per state) and for two streams in one call; a bundle whose estimator lacks
+    those inputs is fed float32. Here on fp32 graphs, so any difference is the feed's."""
+    from cosyedge.device.cosyvoice2.flow import Flow
+    cached, _, _ = engines
+    flow, prompt = cached.pipeline._flow, _prompt(cached)
+    recorder = FeedRecorder(flow._estimator._session)
+    int8 = Flow(flow._encoder, recorder, flow._noise, flow.config, PromptCache(256 << 20), quantized_state=True)
+    preset = cached.pipeline._presets["official"]
+    state = int8.prompt_state(prompt, preset)
+    assert type(state.steps[0][0]).__name__ == "Int8Hidden"
+    tokens = np.random.default_rng(2).integers(0, 6561, 41)
+    mu, spks, cond = int8._condition(prompt, tokens, False, True)
+    for past, rows in (([state], 1), ([state, state], 2)):
+        recorder.fed.clear()
+        got = int8.solve(*(np.concatenate([a] * rows) for a in (mu, spks, cond)), True, preset=preset, past=past)
+        assert recorder.fed and all(f == {"past_hidden_q": "int8", "past_hidden_scale": "float32"}
+                                    for f in recorder.fed)
+        int8._int8_feed = False   # as for an older bundle's estimator: the float values of the same state
+        recorder.fed.clear()
+        want = int8.solve(*(np.concatenate([a] * rows) for a in (mu, spks, cond)), True, preset=preset, past=past)
+        int8._int8_feed = True
+        assert all(f == {"past_hidden": "float32"} for f in recorder.fed)
+        np.testing.assert_allclose(got, want, atol=ROUND_OFF, rtol=0)
+
+
 def test_int8_hidden_reads_back_within_half_a_frames_step():
     """`Int8Hidden` (the cpu targets' kept hidden states): each value comes back within half its frame's step
     (largest magnitude / 127), row slices read the same values, an all-zero frame stays zero, and it holds a byte

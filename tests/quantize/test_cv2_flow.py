@@ -22,6 +22,8 @@ from cosyedge.device.errors import ReleaseError
 from cosyedge.quantize.cosyvoice2.flow import (CausalMaskedDiffWithXvec, build_flow, build_flow_random, fixed_noise,
                                                load_flow_state, prompt_condition)
 from cosyedge.quantize.cosyvoice2 import flow_encoder
+from cosyedge.quantize.cosyvoice2.empty_inputs import drop_empty_inputs
+from cosyedge.quantize.cosyvoice2.precision_targets import CPU_ONLY_INPUTS
 from cosyedge.quantize.cosyvoice2.flow_encoder import QUERY_BLOCKS, relative_shift
 from cosyedge.quantize.cosyvoice2.flow_export import ENCODER_NAME, ESTIMATOR_NAME, export_flow
 from cosyedge.quantize.cosyvoice2.release import Release
@@ -236,10 +238,77 @@ def test_onnx_signatures(sessions: dict[str, ort.InferenceSession]) -> None:
     # the prompt state's inputs are optional: overridable initializers (none past, zeros, keep 0)
     assert signature(estimator.get_overridable_initializers()) == [
         ("past_hidden", "tensor(float)", [4, "state_rows", "past", 64]),
-        ("past_conv", "tensor(float)", ["state_rows", 1024, 2]), ("keep", "tensor(int64)", [1])]
+        ("past_conv", "tensor(float)", ["state_rows", 1024, 2]), ("keep", "tensor(int64)", [1]),
+        ("past_hidden_q", "tensor(int8)", [4, "q_rows", "past_q", 64]),
+        ("past_hidden_scale", "tensor(float)", [4, "q_rows", "past_q", 1])]
     meta = encoder.get_modelmeta().custom_metadata_map
     assert meta["pre_lookahead_len"] == "3" and meta["token_mel_ratio"] == "2" and meta["n_timesteps"] == "10"
     assert float(meta["inference_cfg_rate"]) == 0.7 and meta["estimator_chunk"] == "50"
+
+
+def _streaming_feeds(rng: np.random.Generator, rows: int, frames: int) -> dict[str, np.ndarray]:
+    """Random estimator feeds of a streaming call of `rows` x `frames`, without a prompt state."""
+    return {"x": rng.standard_normal((rows, 80, frames), dtype=np.float32),
+            "mask": np.ones((rows, 1, frames), np.float32),
+            "mu": rng.standard_normal((rows, 80, frames), dtype=np.float32), "t": np.full(rows, 0.3, np.float32),
+            "spks": rng.standard_normal((rows, 80), dtype=np.float32),
+            "cond": np.zeros((rows, 80, frames), np.float32), "streaming": _flag(True)}
+
+
+def test_a_past_fed_as_int8_is_the_past_of_its_float_values(sessions: dict[str, ort.InferenceSession]) -> None:
+    """`past_hidden_q` / `past_hidden_scale` (the cpu targets' int8 prompt state, fed as it is kept) give the
+    velocity and the kept state of the same past fed as float32 (values x scales), within float32 round-off; a
+    past split between the two forms (float frames first) is one past of both; and the fed past matters (against
+    no past). Rows: 2 state rows for 2 x rows, and 1 broadcast to 2."""
+    estimator = sessions[ESTIMATOR_NAME]
+    rng = np.random.default_rng(4)
+    rows, frames, past = 2, 60, 50
+    feeds = _streaming_feeds(rng, rows, frames) | {
+        "past_conv": rng.standard_normal((rows, 1024, 2), dtype=np.float32), "keep": np.array([50], np.int64)}
+    for state_rows in (2, 1):
+        values = rng.integers(-127, 128, (4, state_rows, past, 64), dtype=np.int8)
+        scales = rng.uniform(0.001, 0.05, (4, state_rows, past, 1)).astype(np.float32)
+        hidden = values.astype(np.float32) * scales
+        as_float = estimator.run(None, feeds | {"past_hidden": hidden})
+        as_int8 = estimator.run(None, feeds | {"past_hidden_q": values, "past_hidden_scale": scales})
+        split = estimator.run(None, feeds | {"past_hidden": hidden[:, :, :20], "past_hidden_q": values[:, :, 20:],
+                                             "past_hidden_scale": scales[:, :, 20:]})
+        for want, got, other in zip(as_float, as_int8, split):
+            assert got.shape == want.shape == other.shape
+            assert _max_err(got, want) <= 1e-5 * max(float(np.abs(want).max()), 1.0)
+            assert _max_err(other, want) <= 1e-5 * max(float(np.abs(want).max()), 1.0)
+        alone = estimator.run(["velocity"], {k: v for k, v in feeds.items() if k not in ("past_conv", "keep")})[0]
+        assert _max_err(alone, as_float[0]) > 1e-3
+
+
+def test_tensorrt_graphs_drop_the_int8_past_and_equal_the_graph_at_its_defaults(graphs: dict[str, Path],
+                                                                                 sessions: dict[str, ort.InferenceSession]
+                                                                                 ) -> None:
+    """The graph the fp16 / trt-int8 estimators are built from (precision_targets.CPU_ONLY_INPUTS dropped,
+    empty_inputs.py) has float32 / int64 inputs only, and gives every output of the exported graph run at the int8
+    past's empty defaults, bit for bit, with and without a float past. A graph without those inputs is returned as
+    it is; an empty input that reaches an op the rewrite does not know is refused."""
+    estimator = sessions[ESTIMATOR_NAME]
+    dropped = drop_empty_inputs(onnx.load(str(graphs[ESTIMATOR_NAME])), CPU_ONLY_INPUTS)
+    assert {i.type.tensor_type.elem_type for i in dropped.graph.input} <= {onnx.TensorProto.FLOAT,
+                                                                          onnx.TensorProto.INT64}
+    assert not {i.name for i in dropped.graph.input} & set(CPU_ONLY_INPUTS)
+    assert not {t.name for t in dropped.graph.initializer} & set(CPU_ONLY_INPUTS)
+    without = ort.InferenceSession(dropped.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(5)
+    rows, frames = 2, 60
+    feeds = _streaming_feeds(rng, rows, frames)
+    past = {"past_hidden": rng.standard_normal((4, rows, 50, 64), dtype=np.float32),
+            "past_conv": rng.standard_normal((rows, 1024, 2), dtype=np.float32), "keep": np.array([50], np.int64)}
+    for fed in (feeds, feeds | past):
+        for want, got in zip(estimator.run(None, fed), without.run(None, fed)):
+            assert np.array_equal(want, got)
+    encoder = onnx.load(str(graphs[ENCODER_NAME]))
+    assert drop_empty_inputs(encoder, CPU_ONLY_INPUTS) is encoder
+    broken = onnx.load(str(graphs[ESTIMATOR_NAME]))
+    broken.graph.output.append(onnx.helper.make_tensor_value_info("past_hidden_q", onnx.TensorProto.INT8, None))
+    with pytest.raises(ValueError, match="graph output"):
+        drop_empty_inputs(broken, CPU_ONLY_INPUTS)
 
 
 def test_relative_shift_is_the_per_element_gather_with_a_flat_index(graphs: dict[str, Path]) -> None:
