@@ -237,7 +237,7 @@ class Flow:
                 v, *kept = self._estimator.run(outputs, plain | state | {"x": x, "t": np.full(rows, t, np.float32)})
                 x = x + dt * v
             if keep:
-                keep[1].append((Int8Hidden.of(kept[0]) if self._quantized_state else kept[0], kept[1]))
+                keep[1].append((Int8Hidden.of(kept[0]) if self._quantized_state else kept[0].copy(), kept[1].copy()))
             t = t + dt
             if step < preset.steps:
                 dt = t_span[step + 1] - t

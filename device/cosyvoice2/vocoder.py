@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime as ort
 
 
-# Stream-off HiFT decoding in windows (`Vocoder.render`). The decoder's memory grows with its input: 0.27 MB per mel
+# HiFT decoding in windows (`decode_bounded`: a whole mel, or a stream chunk longer than a window). The decoder's memory grows with its input: 0.27 MB per mel
 # frame at 0.5B (the int8 decoder, 2 threads: +134 MB over a 10 s call, +29 MB over 2 s), from its full-rate
 # activations and convolution buffers. Its receptive field is under 16 mel frames: with 16 frames of context
 # either side a window's samples equal one whole call's bit for bit (fp32 and int8 decoders at full size; 12
@@ -44,6 +44,17 @@ def decode_in_windows(decode: Callable[[np.ndarray, np.ndarray], np.ndarray], me
                         np.ascontiguousarray(source[:, :, start * u:stop * u]))
         speech[begin * u:end * u] = window[0, (begin - start) * u:(end - start) * u]
     return speech
+
+
+def decode_bounded(decode: Callable[[np.ndarray, np.ndarray], np.ndarray], mel: np.ndarray, source: np.ndarray,
+                   samples_per_frame: int) -> np.ndarray:
+    """[1, M, T] mel and its source -> [T * U] samples: one call up to `WINDOW_FRAMES`, past it equal windows with
+    `CONTEXT_FRAMES` either side (a whole mel, or a long stream chunk: the same samples as one call)."""
+    frames = mel.shape[2]
+    if frames <= WINDOW_FRAMES:
+        return decode(mel, source)[0]
+    width = -(-frames // -(-frames // WINDOW_FRAMES))  # equal windows, none longer than WINDOW_FRAMES
+    return decode_in_windows(decode, mel, source, samples_per_frame, width, CONTEXT_FRAMES, CONTEXT_FRAMES)
 
 
 @dataclass(frozen=True)
@@ -95,22 +106,21 @@ class Vocoder:
         decoder runs window by window, each with `CONTEXT_FRAMES` of mel and source either side, and keeps its
         own frames' samples: the same samples as one call, in bounded memory."""
         mel = np.ascontiguousarray(mel, np.float32)
-        source = self.source(mel, noise)
-        frames, per_frame = mel.shape[2], self.samples_per_frame
-        if frames <= WINDOW_FRAMES:
-            return self.decode(mel, source)[0]
-        width = -(-frames // -(-frames // WINDOW_FRAMES))  # equal windows, none longer than WINDOW_FRAMES
-        return decode_in_windows(self.decode, mel, source, per_frame, width, CONTEXT_FRAMES, CONTEXT_FRAMES)
+        return decode_bounded(self.decode, mel, self.source(mel, noise), self.samples_per_frame)
 
     def stream(self, noise: np.random.Generator | None) -> "VocoderStream":
-        return VocoderStream(self, self.cache, noise)
+        return VocoderStream(self, self.cache, noise, windows_of=self.samples_per_frame)
 
 
 class VocoderStream:
     """The HiFT caches of ONE streaming request (never shared between requests)."""
 
-    def __init__(self, vocoder: HiftStages, config: HiftCache, rng: np.random.Generator | None) -> None:
+    def __init__(self, vocoder: HiftStages, config: HiftCache, rng: np.random.Generator | None,
+                 windows_of: int | None = None) -> None:
+        """`windows_of`: the samples per frame of a decoder whose chunks past `WINDOW_FRAMES` are decoded in
+        windows (`decode_bounded`); None: one call per chunk, as the official runtime (the bench's reference)."""
         self._vocoder = vocoder
+        self._windows_of = windows_of
         self._config = config
         self._rng = rng
         self._window = np.hamming(2 * config.crossfade_samples)  # float64, as the official cross-fade
@@ -127,14 +137,18 @@ class VocoderStream:
         source = self._vocoder.source(mel, self._rng)
         if self._source is not None:
             source[:, :, :self._source.shape[2]] = self._source
-        speech = self._vocoder.decode(mel, source)
+        if self._windows_of is None:
+            speech = self._vocoder.decode(mel, source)
+        else:
+            speech = decode_bounded(self._vocoder.decode, mel, source, self._windows_of)[None]
         if self._speech is not None:
             overlap = c.crossfade_samples
             faded = speech[:, :overlap] * self._window[:overlap] + self._speech * self._window[overlap:]
             speech[:, :overlap] = faded.astype(np.float32)
         if final:
             return speech[0]
-        self._mel = mel[:, :, -c.mel_cache_frames:]
-        self._source = source[:, :, -c.source_cache_samples:]
-        self._speech = speech[:, -c.crossfade_samples:]
+        # copies, not views: a view of a graph's output holds that output's whole arena region until freed
+        self._mel = mel[:, :, -c.mel_cache_frames:].copy()
+        self._source = source[:, :, -c.source_cache_samples:].copy()
+        self._speech = speech[:, -c.crossfade_samples:].copy()
         return speech[0, :-c.crossfade_samples]

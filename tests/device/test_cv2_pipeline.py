@@ -8,6 +8,7 @@ in-process waveform.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -409,6 +410,23 @@ def test_a_bundle_with_the_old_two_llm_graphs_is_refused_with_a_rebuild_hint(cv2
     assert "has no graph 'llm'" in result.stderr and "re-create it with cosyedge quantize" in result.stderr
 
 
+@contextlib.contextmanager
+def _decoded_widths(vocoder):
+    """The mel width of each HiFT decoder call `vocoder` makes meanwhile."""
+    widths: list[int] = []
+    decode = vocoder.decode
+
+    def counted(mel: np.ndarray, source: np.ndarray) -> np.ndarray:
+        widths.append(mel.shape[2])
+        return decode(mel, source)
+
+    vocoder.decode = counted
+    try:
+        yield widths
+    finally:
+        del vocoder.decode
+
+
 def test_a_long_mel_is_vocoded_in_windows_with_the_samples_of_one_call(engine: Engine) -> None:
     """Past WINDOW_FRAMES the stream-off HiFT decodes window by window (bounded memory): 700 frames (14 s) go in
     equal windows, none wider than the window and its context, and the samples equal one whole decoder call's."""
@@ -417,18 +435,32 @@ def test_a_long_mel_is_vocoded_in_windows_with_the_samples_of_one_call(engine: E
     assert frames > 2 * WINDOW_FRAMES
     mel = (np.random.default_rng(0).standard_normal((1, 80, frames)) * 2 - 6).astype(np.float32)
     whole = vocoder.decode(mel, vocoder.source(mel, None))[0]
-    widths: list[int] = []
-    decode = vocoder.decode
-
-    def counted(mel: np.ndarray, source: np.ndarray) -> np.ndarray:
-        widths.append(mel.shape[2])
-        return decode(mel, source)
-
-    vocoder.decode = counted  # type: ignore[method-assign]
-    try:
+    with _decoded_widths(vocoder) as widths:
         windowed = vocoder.render(mel, None)
-    finally:
-        del vocoder.decode
     assert len(widths) == -(-frames // WINDOW_FRAMES) and max(widths) <= WINDOW_FRAMES + 2 * CONTEXT_FRAMES, widths
     assert windowed.shape == whole.shape and np.abs(whole).max() > 0
     np.testing.assert_array_equal(windowed, whole)
+
+
+def test_a_long_stream_chunk_is_vocoded_in_windows_and_keeps_no_graph_output(engine: Engine) -> None:
+    """A stream chunk past WINDOW_FRAMES (official hops grow: a 10 s stream's last chunk is ~200 frames) is decoded
+    in windows like a whole mel, with the samples of one call per chunk (the official runtime's, which the bench's
+    reference keeps: `windows_of` None); and the stream's caches between chunks are copies, never views of a graph's
+    output, which would hold that output's whole arena region (device/sessions.py) until the request ends."""
+    vocoder = engine.pipeline._vocoder
+    frames = 2 * WINDOW_FRAMES + 40
+    mels = (np.random.default_rng(1).standard_normal((1, 80, frames)) * 2 - 6).astype(np.float32)
+    cut = WINDOW_FRAMES // 2
+    with _decoded_widths(vocoder) as widths:
+        windowed = vocoder.stream(None)
+        first = windowed.chunk(mels[:, :, :cut], final=False)
+        caches = (windowed._mel, windowed._source, windowed._speech)
+        second = windowed.chunk(mels[:, :, cut:], final=True)
+        calls = len(widths)
+        one_call = VocoderStream(vocoder, vocoder.cache, None)
+        want = [one_call.chunk(mels[:, :, :cut], final=False), one_call.chunk(mels[:, :, cut:], final=True)]
+    assert calls > 2 and max(widths[:calls]) <= WINDOW_FRAMES + 2 * CONTEXT_FRAMES, widths
+    assert widths[calls + 1] > WINDOW_FRAMES  # the one-call stream's second chunk went in one call
+    np.testing.assert_array_equal(first, want[0])
+    np.testing.assert_array_equal(second, want[1])
+    assert all(cache is not None and cache.flags.owndata for cache in caches)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cosyedge.device.cosyvoice2.flow import FlowPrompt
-from cosyedge.device.cosyvoice2.prompt_cache import PromptCache, PromptState, frames_within
+from cosyedge.device.cosyvoice2.prompt_cache import Int8Hidden, PromptCache, PromptState, frames_within
 from cosyedge.device.engine import Engine
 from cosyedge.device.sessions import SessionConfig, create_session
 
@@ -158,6 +158,19 @@ def test_the_cap_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv("COSYEDGE_PROMPT_CACHE_MB", bad)
         with pytest.raises(ProviderError, match="COSYEDGE_PROMPT_CACHE_MB"):
             SessionConfig.from_env()
+
+
+def test_a_kept_state_holds_no_graph_output(engines):
+    """What the cache keeps are copies: a graph's output (its `present_conv`, say) lives in the arena region the
+    call gave it, and held by the cache it kept that whole region resident for as long as the voice's state (a
+    full-size `cpu` engine: +32 MB from the second preset's state on, in every later request's peak)."""
+    cached, _, _ = engines
+    flow = cached.pipeline._flow
+    state = flow.prompt_state(_prompt(cached), cached.pipeline._presets["fastest"])
+    assert state is not None and state.steps
+    for hidden, conv in state.steps:
+        arrays = (hidden.values, hidden.scales) if isinstance(hidden, Int8Hidden) else (hidden,)
+        assert all(a.flags.owndata for a in (*arrays, conv))
 
 
 def test_warm_up_builds_the_default_voices_state_once(cv2_tiny_bundle):
