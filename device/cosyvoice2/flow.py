@@ -255,12 +255,13 @@ def _past_feeds(past: Sequence[PromptState], step: int, guided: bool, int8: bool
         [s.steps[step][0][:, half] for half in halves for s in past]
     conv = past[0].steps[step][1] if len(past) == 1 else \
         np.concatenate([s.steps[step][1][half] for half in halves for s in past], axis=0)
+
     def rows(arrays: list[np.ndarray]) -> np.ndarray:
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=1)
 
     if int8 and all(isinstance(part, Int8Hidden) for part in parts):
-        return {"past_hidden_q": rows([p.values for p in parts]), "past_hidden_scale": rows([p.scales for p in parts]),
-                "past_conv": conv}
+        return {"past_hidden_q": rows([p.values for p in parts]),
+                "past_hidden_scale": rows([p.scales for p in parts]), "past_conv": conv}
     return {"past_hidden": rows([p.astype(np.float32, copy=False) for p in parts]), "past_conv": conv}
 
 

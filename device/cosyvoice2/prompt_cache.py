@@ -23,10 +23,10 @@ float16 states (`official` first / later chunk 0.019 / 0.025, float16 0.019 / 0.
 float16 0.025 / 0.024; mel range -4.2 to 4.3) at the same first-chunk time; test_cv2_quantized_load.py checks it on
 a tiny release. An estimator with the `past_hidden_q` input (bundles built since it) is fed the int8 state as it
 is, not its float32 values: the call's past input is a quarter of the size (full size, `official` stream on: the
-estimator call's peak 13 MB lower). float32 graphs keep float32 states (fp32 round-off: test_cv2_prompt_cache.py). The cache keeps
-entries up to `cap_bytes` in all, least recently used out first; a voice whose state exceeds the cap keeps fewer
-whole chunks (`frames_within`), so what a request gets depends on the cap, never on what else is cached: an evicted
-state is computed again, the same.
+estimator call's peak 13 MB lower). float32 graphs keep float32 states (fp32 round-off: test_cv2_prompt_cache.py).
+The cache keeps entries up to `cap_bytes` in all, least recently used out first; a voice whose state exceeds the
+cap keeps fewer whole chunks (`frames_within`), so what a request gets depends on the cap, never on what else is
+cached: an evicted state is computed again, the same.
 """
 from __future__ import annotations
 

@@ -161,12 +161,12 @@ def uncalibrated(graph: str, rules: GraphRules = CV2_RULES) -> bool:
     return graph in STAGE_GRAPHS["llm"] or graph in rules.dynamic_int8
 
 
-def _tensorrt_inputs(fp32: Path) -> Path | onnx.ModelProto:
-    """`fp32` itself, or, where it has CPU_ONLY_INPUTS, the graph without them (loaded only then: the LLM's
-    external weights are never read here)."""
+def _without_cpu_inputs(fp32: Path) -> onnx.ModelProto | None:
+    """The graph `fp32` without CPU_ONLY_INPUTS, or None where it has none (then nothing but its inputs is read:
+    the LLM's external weights never are)."""
     inputs = {i.name for i in onnx.load(str(fp32), load_external_data=False).graph.input}
     if not inputs & set(CPU_ONLY_INPUTS):
-        return fp32
+        return None
     return drop_empty_inputs(onnx.load(str(fp32)), CPU_ONLY_INPUTS)
 
 
@@ -175,7 +175,8 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
     """Write the graph of variant `v` from its fp32 export `fp32` into `dst` (node rules of the family `rules`)."""
     exclude = rules.int8_exclude.get(v.graph, ())
     if v.precision == "fp16":
-        return to_fp16(_tensorrt_inputs(fp32), dst, fp32_island(v.graph, rules=rules))
+        stripped = _without_cpu_inputs(fp32)
+        return to_fp16(fp32 if stripped is None else stripped, dst, fp32_island(v.graph, rules=rules))
     if v.precision not in ("int4", "int8") or (v.precision == "int4" and v.graph not in STAGE_GRAPHS["llm"]):
         raise ValueError(f"no transform of {v.graph} to {v.precision}")
     if v.component == v.graph and v.graph in STAGE_GRAPHS["llm"]:     # the cpu targets' LLM: weight-only
@@ -203,12 +204,12 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
         mish_by_exp(dst, dst)  # ORT's CPU Softplus is scalar (mish_rewrite.py); a graph without Mish is unchanged
         return dst
     qdq = dst.with_name(f"{dst.stem}.qdq32.onnx")
-    source = _tensorrt_inputs(fp32)
-    if isinstance(source, onnx.ModelProto):
-        onnx.save(source, str(source_path := dst.with_name(f"{dst.stem}.io32.onnx")))
-        source = source_path
+    stripped, source = _without_cpu_inputs(fp32), fp32
+    if stripped is not None:  # written here beside dst, as qdq, and removed once quantized
+        source = dst.with_name(f"{dst.stem}.io32.onnx")
+        onnx.save(stripped, str(source))
     static_int8_qdq(source, qdq, calibration or (), exclude)
-    if source != fp32:
+    if stripped is not None:
         source.unlink()
     to_fp16(qdq, dst, fp32_island(v.graph, quantized=True, rules=rules))
     qdq.unlink()
