@@ -13,7 +13,7 @@ Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision 
   int8 too where the end-to-end gate allows (else the `int8-estimator` rung keeps it fp32); the HiFT source stays
   fp32; the HiFT decoder becomes static int8 QDQ with uint8 activations (every convolution fused by ONNX Runtime,
   `unsigned_activations`) only where its gate passes.
-* `cpu-int4` (optional, ONNX Runtime CPU): the `cpu` target with 4-bit LLM weights (`MatMulNBits`, blocks of 32,
+* `cpu-int4` (optional, ONNX Runtime CPU): the `cpu` target with 4-bit LLM weights (`MatMulNBits`, blocks of 128,
   symmetric, int8 compute) under their own LLM gate thresholds (gates.PRECISION_THRESHOLDS), falling back to the
   int8 LLM; its flow and HiFT graphs are the `cpu` target's (the same files when both targets are built).
 * `gpu-fp16`: every graph but the HiFT source in fp16 with fp32 islands (norms, softmax, residual stream, time

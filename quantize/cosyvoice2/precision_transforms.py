@@ -20,9 +20,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 # K values per scale of the MatMulNBits weights, by bits. 8-bit: blocks of 128 (full-size CosyVoice2 LLM, 2 threads,
 # against blocks of 32: session 404 against 511 MB, decode step 25-26.5 against 29-30.5 ms, prefill 0.85x; gate KL
-# 1.9e-5 against 1.4e-5: fewer scales to read and to pack). 4-bit: blocks of 32 (its gate is near its floor
-# already: KL 1.8e-3, decisive top-1 0.95).
-NBITS_BLOCKS = {8: 128, 4: 32}
+# 1.9e-5 against 1.4e-5: fewer scales to read and to pack). 4-bit: blocks of 128 too (full size: session +228
+# against +324 MB at blocks of 32, a decode step 10.0 against 13.1 ms, prefill 338 against 438 ms; gate KL 1.82e-3
+# against 1.76e-3, decisive top-1 0.95 at both; tiny preset KL 5.2e-3, decisive 0.957). Random weights cannot show
+# what round-to-nearest blocks of 128 cost on trained ones: the LLM gate on the release's own prompts decides, and
+# cpu-int4 keeps the int8 LLM where it misses.
+NBITS_BLOCKS = {8: 128, 4: 128}
 NBITS_ACCURACY_LEVEL = 4          # int8 activations inside MatMulNBits (VNNI / SDOT kernels)
 FP16_MAX = float(np.finfo(np.float16).max)
 # Op types that always compute in fp32 inside an fp16 graph (overflow / precision-critical).
