@@ -31,11 +31,11 @@ from cosyedge.device.voice_store import VoiceStore, check_voice_name, read_promp
 log = logging.getLogger(__name__)
 
 # Which build target suits which execution provider, best first.
-# `auto`: the first target the bundle has for the best available provider. On a CPU `cpu` comes first: with its LLM's
-# rows quantized alone its first audio came sooner than the 4-bit LLM's in two full-size runs (one stream 0.99-1.12
-# against 1.26-1.32 s, four streams 1.97-2.10 against 3.48-3.61 s: the 4-bit prefill is 3-4x slower), for 30-50 MB
-# more; `cpu-int4` where it is the bundle's only CPU target, and only where its own gate kept the LLM at int4.
-_TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", "cpu"), ("cpu", "cpu-int4"))
+# `auto`: the first target the bundle has for the best available provider. On a CPU `cpu-int4` comes first where its
+# own gate kept the LLM at int4 (4-bit blocks of 128: a full-size `fastest` stream, one run of `cosyedge bench`, gave
+# first audio in 1.15 against 1.52 s alone and 2.76 / 3.44 against 3.39 / 4.40 s p50 / p95 with four streams, 1.68
+# against 1.19 s of audio per second, peak 758 against 930 MB), else `cpu`.
+_TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", "cpu-int4"), ("cpu", "cpu"))
 _DEFINING_STAGE = {"cpu-int4": ("llm", "int4")}   # a target auto takes only where this stage kept this precision
 
 

@@ -157,30 +157,41 @@ def test_a_broken_int4_graph_fails_the_gate_and_the_build(bundle, tmp_path, monk
     assert built.targets["cpu-int4"]["llm_int8"] == precision_targets.CPU_LLM_METHOD
 
 
-def test_auto_takes_cpu_first_and_cpu_int4_only_where_its_llm_kept_int4(bundle, tmp_path):
-    """On a CPU, `auto` loads `cpu` where the bundle has it (its first audio is sooner); a bundle whose only CPU
-    target is cpu-int4 loads it where its own gate kept the LLM at int4, else its default precision."""
+def test_auto_takes_cpu_int4_where_its_llm_kept_int4_else_cpu(bundle, tmp_path):
+    """On a CPU, `auto` loads `cpu-int4` where its own gate kept the LLM at int4 (faster and smaller than `cpu`),
+    else `cpu`; a bundle without `cpu` then falls to its default precision."""
     import json
     import os
 
     from cosyedge.device.engine import choose_graphs
     from cosyedge.device.sessions import SessionConfig
     cpu = SessionConfig(providers=("cpu",), intra_op_threads=1)
-    assert choose_graphs(bundle, "auto", None, cpu) == "cpu"
-    fallback = tmp_path / "fallback"
-    fallback.mkdir()
-    for path in bundle.root.rglob("*"):
-        target = fallback / path.relative_to(bundle.root)
-        if path.is_dir():
-            target.mkdir(exist_ok=True)
-        elif path.name != "manifest.json":
-            os.link(path, target)
-    manifest = json.loads((bundle.root / "manifest.json").read_text())
-    int4 = manifest["config"]["targets"]["cpu-int4"]
-    del manifest["config"]["targets"]["cpu"]  # cpu-int4 the only CPU target
-    (fallback / "manifest.json").write_text(json.dumps(manifest))
-    assert choose_graphs(Bundle.load(fallback), "auto", None, cpu) == "cpu-int4"
-    int4["stages"]["llm"] = "int8"  # its LLM fell back: auto takes the bundle's default precision
-    int4["graphs"]["llm"] = {"component": "llm", "precision": "int8"}
-    (fallback / "manifest.json").write_text(json.dumps(manifest))
-    assert choose_graphs(Bundle.load(fallback), "auto", None, cpu) == manifest["default_precision"]
+    assert bundle.targets["cpu-int4"]["stages"]["llm"] == "int4"
+    assert choose_graphs(bundle, "auto", None, cpu) == "cpu-int4"
+
+    def edited(name: str, change) -> Bundle:
+        root = tmp_path / name
+        root.mkdir()
+        for path in bundle.root.rglob("*"):
+            target = root / path.relative_to(bundle.root)
+            if path.is_dir():
+                target.mkdir(exist_ok=True)
+            elif path.name != "manifest.json":
+                os.link(path, target)
+        manifest = json.loads((bundle.root / "manifest.json").read_text())
+        change(manifest)
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        return Bundle.load(root)
+
+    def int4_fell_back(manifest: dict) -> None:
+        int4 = manifest["config"]["targets"]["cpu-int4"]
+        int4["stages"]["llm"] = "int8"
+        int4["graphs"]["llm"] = {"component": "llm", "precision": "int8"}
+
+    def only_int4_fell_back(manifest: dict) -> None:
+        int4_fell_back(manifest)
+        del manifest["config"]["targets"]["cpu"]
+
+    assert choose_graphs(edited("fell_back", int4_fell_back), "auto", None, cpu) == "cpu"
+    only = edited("only", only_int4_fell_back)
+    assert choose_graphs(only, "auto", None, cpu) == only.manifest.default_precision
