@@ -37,9 +37,10 @@ THRESHOLDS: dict[str, dict[str, float]] = {
 # coarser than 8-bit blocks (step max|w|/7 vs /127); measured KL(fp32 || int4) is 100-130x the int8 one on random
 # weights (tiny preset 0.0054 vs 5.2e-5 nats, full size 0.0018 vs 1.4e-5), so int4 may shift the sampling
 # distribution up to 0.10 nats (twice int8's limit), while a decisive fp32 choice must survive as under int8
-# (>= 0.95; correct int4 measured 0.957 on the tiny preset and 0.95 at full size). That floor is what rejects broken 4-bit graphs: swapped nibbles
-# or scales off by 20 % measured decisive <= 0.77 (tiny preset) and <= 0.45 (full size, where the near-flat random
-# distributions keep even their KL at 0.02-0.14). The oversensitive golden tiny LLM (int4 KL 0.43) falls back to int8.
+# (>= 0.95; correct int4 measured 0.957 on the tiny preset and 0.95 at full size). That floor is what rejects broken
+# 4-bit graphs: swapped nibbles or scales off by 20 % measured decisive <= 0.77 (tiny preset) and <= 0.45 (full size,
+# where the near-flat random distributions keep even their KL at 0.02-0.14). The oversensitive golden tiny LLM (int4
+# KL 0.43) falls back to int8.
 PRECISION_THRESHOLDS: dict[str, dict[str, dict[str, float]]] = {
     "int4": {"llm": {"top1_agreement_decisive_min": 0.95, "mean_kl_max": 0.10}},
 }

@@ -3,8 +3,9 @@ int4 LLM gate (gates.PRECISION_THRESHOLDS), flow and HiFT shared with `cpu`.
 
 The release is `random_init`'s `cosyvoice2-tiny` preset (golden tiny sizes, default PyTorch initialisation), on
 which every stage of `cpu` passes its gate without fallback (test_cv2_quantized_load.py) and 4-bit LLM weights pass
-the int4 gate (KL ~0.005 nats, decisive top-1 0.957 against the gate's 0.95). The golden tiny release itself is too sensitive for 4 bits
-(KL ~0.43): there cpu-int4 would fall back to the int8 LLM. The bundle is built through `cosyedge quantize`.
+the int4 gate (KL ~0.005 nats, decisive top-1 0.957 against the gate's 0.95). The golden tiny release itself is too
+sensitive for 4 bits (KL ~0.43): there cpu-int4 would fall back to the int8 LLM. The bundle is built through
+`cosyedge quantize`.
 """
 from __future__ import annotations
 
@@ -74,9 +75,9 @@ def test_llm_graphs_hold_packed_4bit_matmulnbits(bundle):
         # the same projections as the int8 graph, half a byte per weight (K padded to whole blocks)
         int4_q = {n.name.removesuffix("_nbits4"): numpy_helper.to_array(inits[n.input[1]]).nbytes for n in nbits}
         assert int4_q.keys() == int8_q, graph
-        padded_k = {n.name.removesuffix("_nbits4"): -(-_attr(n, "K") // NBITS_BLOCKS[4]) * NBITS_BLOCKS[4] for n in nbits}
-        assert all(2 * int4_q[name] == padded_k[name] * _attr(n, "N")
-                   for n in nbits for name in [n.name.removesuffix("_nbits4")]), graph
+        block = NBITS_BLOCKS[4]
+        assert all(2 * int4_q[n.name.removesuffix("_nbits4")] == -(-_attr(n, "K") // block) * block * _attr(n, "N")
+                   for n in nbits), graph
         # both cpu LLM graphs take the shared key/value cache (head size 16: GroupQueryAttention runs it)
         for quantized in (model, int8):
             assert [n.op_type for n in quantized.graph.node].count("GroupQueryAttention") == 2, graph
