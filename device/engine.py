@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 # first audio in 1.15 against 1.52 s alone and 2.76 / 3.44 against 3.39 / 4.40 s p50 / p95 with four streams, 1.68
 # against 1.19 s of audio per second, peak 758 against 930 MB), else `cpu`.
 _TARGET_FOR_PROVIDER = (("tensorrt", "trt-int8"), ("cuda", "gpu-fp16"), ("cpu", "cpu-int4"), ("cpu", "cpu"))
-_DEFINING_STAGE = {"cpu-int4": ("llm", "int4")}   # a target auto takes only where this stage kept this precision
+# a target auto takes only where this graph kept this precision (cpu-int4: its LLM at either 4-bit rung)
+_DEFINING_GRAPH = {"cpu-int4": ("llm", "int4")}
 
 
 def check_selection(precision: str, target: str | None) -> None:
@@ -64,9 +65,9 @@ def choose_graphs(bundle: Bundle, precision: str, target: str | None, sessions: 
         return target or precision
     available = sessions.available()
     for provider, name in _TARGET_FOR_PROVIDER:
-        stage, kept = _DEFINING_STAGE.get(name, (None, None))
+        graph, kept = _DEFINING_GRAPH.get(name, (None, None))
         if provider in available and name in bundle.targets and \
-                (stage is None or bundle.targets[name].get("stages", {}).get(stage) == kept):
+                (graph is None or bundle.targets[name].get("graphs", {}).get(graph, {}).get("precision") == kept):
             return name
     return bundle.manifest.default_precision
 

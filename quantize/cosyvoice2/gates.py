@@ -21,6 +21,7 @@ import onnxruntime as ort
 
 from cosyedge.device.cosyvoice2.kvcache import LLMCalls
 from cosyedge.device.quality import mel_cepstral_distortion, snr_db
+from cosyedge.quantize.cosyvoice2.precision_targets import RUNG_PRECISION
 
 # What "still sounds like fp32" means per stage. LLM: mean KL(fp32 || quantized) of the speech-token distribution
 # and teacher-forced top-1 agreement on decisive positions (fp32 top-1 margin >= DECISIVE_NATS; near-ties flip under
@@ -114,8 +115,9 @@ class StageReport:
 
 
 def thresholds(stage: str, precision: str) -> dict[str, float]:
-    """The limits `stage` is judged by at `precision`: PRECISION_THRESHOLDS where it has them, else THRESHOLDS."""
-    return PRECISION_THRESHOLDS.get(precision, {}).get(stage, THRESHOLDS[stage])
+    """The limits `stage` is judged by at `precision` (a stage rung: that of its graphs, `RUNG_PRECISION`):
+    PRECISION_THRESHOLDS where it has them, else THRESHOLDS."""
+    return PRECISION_THRESHOLDS.get(RUNG_PRECISION.get(precision, precision), {}).get(stage, THRESHOLDS[stage])
 
 
 def judge(stage: str, precision: str, metrics: dict[str, float]) -> StageReport:

@@ -34,8 +34,8 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     """Build every target's graphs from the fp32 exports in `fp32` (graph -> path) into `work` and gate each stage.
 
     A stage that misses its gate raises ReleaseError naming target and stage, unless `allow_fallback`: then the stage
-    moves down its ladder (int8 -> fp16 -> fp32 for trt-int8, int8 -> fp32 for cpu, the LLM int4 -> int8 -> fp32 for
-    cpu-int4, fp16 -> fp32 for gpu-fp16) and the manifest records `fallback_from`. The cpu HiFT decoder is int8 only
+    moves down its ladder (int8 -> fp16 -> fp32 for trt-int8, int8 -> fp32 for cpu, the LLM int4 -> int4-b32 -> int8 ->
+    fp32 for cpu-int4, fp16 -> fp32 for gpu-fp16) and the manifest records `fallback_from`. The cpu HiFT decoder is int8 only
     when it passes (fp32 otherwise, no error). Graphs two targets share (cpu and cpu-int4 flow / HiFT) are built and
     gated once.
     After the stages, the end-to-end gate (flow + HiFT from the same tokens) must pass as well; with
@@ -50,7 +50,7 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     if unknown:
         raise ReleaseError(f"unknown precision target {unknown[0]!r}; known: {', '.join(TARGETS)}")
     gates = gates or Gates(gate_config, fp32)
-    files: dict[tuple[str, str], Path] = {}
+    built: dict[Variant, Path] = {}
     calibration: dict[str, list] = {}
     checked: dict[tuple, object] = {}   # (stage, precision, graph files) -> gates.StageReport
 
@@ -73,19 +73,18 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
     def path_of(v: Variant) -> Path:
         if v.precision == "fp32":
             return fp32[v.graph]
-        key = (v.component, v.precision)
-        if key not in files:
-            log(f"building {v.component}.{v.precision}")
+        if v not in built:
+            log(f"building {v.work_name}")
             needs = v.precision == "int8" and not (v.component == v.graph and uncalibrated(v.graph, rules))
-            files[key] = build_variant(v, fp32[v.graph], work / f"{v.component}.{v.precision}.onnx",
-                                       calibration_for(v.graph) if needs else None, cpu_llm_method, rules)
+            built[v] = build_variant(v, fp32[v.graph], work / v.work_name,
+                                     calibration_for(v.graph) if needs else None, cpu_llm_method, rules)
             gc.collect()  # the protobuf / numpy buffers of a 1.4 GB graph (RSS grew past 8 GB over two LLM graphs)
             return_freed_memory()
-        return files[key]
+        return built[v]
 
     config: dict[str, dict] = {}
     quality: dict[str, dict] = {}
-    used: set[tuple[str, str]] = set()
+    used: set[Variant] = set()
     for target in targets:
         stages: dict[str, str] = {}
         report: dict[str, dict] = {}
@@ -140,13 +139,14 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
         report["e2e"] = {"precision": f"flow {stages['flow']}, hift {stages['hift']}", "attempts": e2e,
                          "fallback_from": None}
         chosen = [v for s in STAGE_GRAPHS for v in stage_variants(target, s, stages[s], rules)]
-        used.update((v.component, v.precision) for v in chosen)
+        used.update(chosen)
         config[target] = {
             "graphs": {v.graph: {"component": v.component, "precision": v.precision} for v in chosen},
             "stages": stages, "validated_with": "onnxruntime-cpu",
             **({"llm_int8": cpu_llm_method} if target in CPU_TARGETS and stages["llm"] == "int8" else {}),
         }
         quality[target] = report
-    for key in [k for k in files if k not in used]:   # graphs of attempts that missed their gate
-        files.pop(key).unlink()
-    return TargetBuild(files, config, quality)
+    for v in [v for v in built if v not in used]:   # graphs of attempts that missed their gate
+        built.pop(v).unlink()
+    # one file per component and precision: only cpu-int4 has 4-bit rungs, so its chosen block is the only one kept
+    return TargetBuild({(v.component, v.precision): path for v, path in built.items()}, config, quality)

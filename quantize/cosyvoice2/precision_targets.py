@@ -14,8 +14,10 @@ Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision 
   fp32; the HiFT decoder becomes static int8 QDQ with uint8 activations (every convolution fused by ONNX Runtime,
   `unsigned_activations`) only where its gate passes.
 * `cpu-int4` (optional, ONNX Runtime CPU): the `cpu` target with 4-bit LLM weights (`MatMulNBits`, blocks of 128,
-  symmetric, int8 compute) under their own LLM gate thresholds (gates.PRECISION_THRESHOLDS), falling back to the
-  int8 LLM; its flow and HiFT graphs are the `cpu` target's (the same files when both targets are built).
+  symmetric, int8 compute) under their own LLM gate thresholds (gates.PRECISION_THRESHOLDS), falling back to blocks
+  of 32 (rung `int4-b32`: a scale per 32 weights rounds closer to trained weights' outliers, at a larger and slower
+  graph), then to the int8 LLM; its flow and HiFT graphs are the `cpu` target's (the same files when both targets
+  are built).
 * `gpu-fp16`: every graph but the HiFT source in fp16 with fp32 islands (norms, softmax, residual stream, time
   embedding, exp / iSTFT) and fp32 graph inputs and outputs, so the runtime feeds the same arrays.
 * `trt-int8`: explicit symmetric QDQ for TensorRT (int8 weights per output channel, activations per tensor, zero
@@ -142,18 +144,26 @@ def fp32_island(graph_name: str, quantized: bool = False, rules: GraphRules = CV
 
 @dataclass(frozen=True)
 class Variant:
-    """One graph of one target at one precision: the bundle component (name, precision) it is stored as."""
+    """One graph of one target at one precision: the bundle component (name, precision) it is stored as, and for
+    4-bit weights their block size where a rung sets one (0: NBITS_BLOCKS[4])."""
     graph: str
     component: str
     precision: str
+    block: int = 0
+
+    @property
+    def work_name(self) -> str:
+        """The file it is built as: rungs of one component and precision (4-bit blocks) do not overwrite each
+        other's graph while the ladder walks."""
+        return f"{self.component}.{self.precision}{f'.b{self.block}' if self.block else ''}.onnx"
 
 
-def variant(target: str, graph: str, precision: str) -> Variant:
-    """Component naming: fp32/fp16 graphs and cpu int8 graphs keep the graph name; trt-int8 QDQ graphs are
+def variant(target: str, graph: str, precision: str, block: int = 0) -> Variant:
+    """Component naming: fp32/fp16 graphs and cpu int8 / int4 graphs keep the graph name; trt-int8 QDQ graphs are
     `trt_<graph>` (they differ from the cpu int8 graphs of the same name and precision)."""
     if target == "trt-int8" and precision == "int8":
         return Variant(graph, f"trt_{graph}", precision)
-    return Variant(graph, graph, precision)
+    return Variant(graph, graph, precision, block)
 
 
 def uncalibrated(graph: str, rules: GraphRules = CV2_RULES) -> bool:
@@ -185,7 +195,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
             source = dst.with_name(f"{dst.stem}.kv32.onnx")
             shared_kv_llm(fp32, source)
         if v.precision == "int4":
-            nbits_weights(source, dst, exclude, bits=4)
+            nbits_weights(source, dst, exclude, bits=4, block=v.block or None)
             int8_rows_dynamic(dst, dst)  # the speech-token head, the one float product left (CPU_LLM_METHOD note)
         else:
             CPU_LLM_METHODS[cpu_llm_method](source, dst, ())  # the head too (CPU_LLM_METHOD note)
@@ -226,13 +236,14 @@ STAGE_GRAPHS = {"llm": ("llm",), "flow": ("flow_encoder", "flow_estimator"),
 _CPU_FLOW_HIFT = {"flow": ("int8", "int8-estimator", "fp32"), "hift": ("int8", "fp32")}
 LADDERS: dict[str, dict[str, tuple[str, ...]]] = {
     "cpu": {"llm": ("int8", "fp32"), **_CPU_FLOW_HIFT},
-    "cpu-int4": {"llm": ("int4", "int8", "fp32"), **_CPU_FLOW_HIFT},
+    "cpu-int4": {"llm": ("int4", "int4-b32", "int8", "fp32"), **_CPU_FLOW_HIFT},
     "gpu-fp16": {"llm": ("fp16", "fp32"), "flow": ("fp16", "fp32"), "hift": ("fp16", "fp32")},
     "trt-int8": {"llm": ("int8", "fp16", "fp32"), "flow": ("int8", "fp16", "fp32"), "hift": ("int8", "fp16", "fp32")},
 }
 # Graphs that stay fp32 although their stage is quantized (cost too small or precision-critical).
 _CPU_KEEP_FP32 = {"int8": frozenset({"hift_source"}), "int8-estimator": frozenset({"flow_encoder"})}
-RUNG_PRECISION = {"int8-estimator": "int8"}     # stage rung -> the precision of its quantized graphs
+RUNG_PRECISION = {"int8-estimator": "int8", "int4-b32": "int4"}     # stage rung -> its quantized graphs' precision
+RUNG_BLOCK = {"int4-b32": 32}                   # stage rung -> the block size of its 4-bit weights
 # Rank of a stage rung for the end-to-end walk (lower = less precise, stepped down first).
 RUNG_ORDER = {"int4": 0, "int8": 0, "int8-estimator": 0.5, "fp16": 1, "fp32": 2}
 KEEP_FP32: dict[str, dict[str, frozenset[str]]] = {
@@ -259,5 +270,5 @@ def stage_variants(target: str, stage: str, precision: str, rules: GraphRules = 
             p = "fp32"
         elif p == "int8" and graph in INT8_AS_FP16.get(target, frozenset()):
             p = "fp16"
-        out.append(variant(target, graph, p))
+        out.append(variant(target, graph, p, RUNG_BLOCK.get(precision, 0) if p == "int4" else 0))
     return out

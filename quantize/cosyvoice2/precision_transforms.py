@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 # against +324 MB at blocks of 32, a decode step 10.0 against 13.1 ms, prefill 338 against 438 ms; gate KL 1.82e-3
 # against 1.76e-3, decisive top-1 0.95 at both; tiny preset KL 5.2e-3, decisive 0.957). Random weights cannot show
 # what round-to-nearest blocks of 128 cost on trained ones: the LLM gate on the release's own prompts decides, and
-# cpu-int4 keeps the int8 LLM where it misses.
+# where it misses cpu-int4 tries blocks of 32 (precision_targets.RUNG_BLOCK), then keeps the int8 LLM.
 NBITS_BLOCKS = {8: 128, 4: 128}
 NBITS_ACCURACY_LEVEL = 4          # int8 activations inside MatMulNBits (VNNI / SDOT kernels)
 FP16_MAX = float(np.finfo(np.float16).max)

@@ -154,8 +154,38 @@ def test_a_broken_int4_graph_fails_the_gate_and_the_build(bundle, tmp_path, monk
     built = precision.build_targets(["cpu-int4"], fp32, tmp_path / "loose", None, allow_fallback=True, gates=gates)
     llm = built.quality["cpu-int4"]["llm"]
     assert llm["precision"] == "int8" and llm["fallback_from"] == "int4"
-    assert [a["passed"] for a in llm["attempts"]] == [False, True]
+    # both 4-bit rungs (blocks of 128, then 32) were tried and missed
+    assert [(a["precision"], a["passed"]) for a in llm["attempts"]] == [("int4", False), ("int4-b32", False),
+                                                                        ("int8", True)]
     assert built.targets["cpu-int4"]["llm_int8"] == precision_targets.CPU_LLM_METHOD
+    assert not list((tmp_path / "loose").glob("llm.int4*"))    # the missed 4-bit graphs are not left behind
+
+
+def test_blocks_of_32_keep_a_4bit_llm_where_blocks_of_128_miss(bundle, tmp_path, monkeypatch):
+    """The second 4-bit rung: where blocks of 128 miss the int4 gate (here: a graph broken at 128 only), blocks of
+    32 are gated next and, passing, ship as the target's int4 LLM (`int4-b32` in the report, precision int4 in the
+    graphs, so `auto` still takes the target)."""
+    fp32 = {g: bundle.path(bundle.component(g, "fp32").file)
+            for g in (*STAGE_GRAPHS["llm"], *STAGE_GRAPHS["flow"], *STAGE_GRAPHS["hift"])}
+    gates = Gates(GateConfig.from_bundle(bundle), fp32)
+    transform = precision_targets.nbits_weights
+
+    def broken_at_128(src, dst, exclude=(), bits=8, block=None):
+        out = transform(src, dst, exclude, bits, block)
+        return _swap_nibbles(out, out) if bits == 4 and (block or NBITS_BLOCKS[4]) == 128 else out
+
+    monkeypatch.setattr(precision_targets, "nbits_weights", broken_at_128)
+    built = precision.build_targets(["cpu-int4"], fp32, tmp_path, None, allow_fallback=True, gates=gates)
+    llm = built.quality["cpu-int4"]["llm"]
+    assert llm["precision"] == "int4-b32" and llm["fallback_from"] == "int4"
+    assert [(a["precision"], a["passed"]) for a in llm["attempts"]] == [("int4", False), ("int4-b32", True)]
+    assert llm["attempts"][1]["thresholds"] == PRECISION_THRESHOLDS["int4"]["llm"]     # the int4 gate, not int8's
+    target = built.targets["cpu-int4"]
+    assert target["stages"]["llm"] == "int4-b32" and "llm_int8" not in target
+    assert target["graphs"]["llm"] == {"component": "llm", "precision": "int4"}
+    shipped = built.files[("llm", "int4")]
+    assert {_attr(n, "block_size") for n in onnx.load(str(shipped)).graph.node if n.op_type == "MatMulNBits"} == {32}
+    assert sorted(p.name for p in tmp_path.glob("llm.*")) == [shipped.name]      # the block-128 graph is gone
 
 
 def test_auto_takes_cpu_int4_where_its_llm_kept_int4_else_cpu(bundle, tmp_path):
@@ -189,10 +219,14 @@ def test_auto_takes_cpu_int4_where_its_llm_kept_int4_else_cpu(bundle, tmp_path):
         int4["stages"]["llm"] = "int8"
         int4["graphs"]["llm"] = {"component": "llm", "precision": "int8"}
 
+    def int4_at_blocks_of_32(manifest: dict) -> None:
+        manifest["config"]["targets"]["cpu-int4"]["stages"]["llm"] = "int4-b32"
+
     def only_int4_fell_back(manifest: dict) -> None:
         int4_fell_back(manifest)
         del manifest["config"]["targets"]["cpu"]
 
     assert choose_graphs(edited("fell_back", int4_fell_back), "auto", None, cpu) == "cpu"
+    assert choose_graphs(edited("b32", int4_at_blocks_of_32), "auto", None, cpu) == "cpu-int4"
     only = edited("only", only_int4_fell_back)
     assert choose_graphs(only, "auto", None, cpu) == only.manifest.default_precision
