@@ -170,7 +170,7 @@ def create_session(path: Path, config: SessionConfig) -> ort.InferenceSession:
     if shrinks and providers[0] == PROVIDER_NAMES["cpu"]:
         options.add_session_config_entry("session.use_env_allocators", "1")
         _register_shared_arena()
-        _map_large_buffers()
+        _tune_malloc()
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers,
                                        disabled_optimizers=list(config.disabled_optimizers) or None)
@@ -233,17 +233,28 @@ class ShrinkingSession:
 
 
 MMAP_THRESHOLD = 4 << 20  # bytes: glibc maps every block above it and unmaps it when freed
+MALLOC_ARENAS = 1         # glibc heaps for all threads together
 
 
-def _map_large_buffers() -> None:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD for the process (`mallopt(M_MMAP_THRESHOLD)`). By default the
-    threshold rises to the largest mapped block freed (up to 32 MiB), so from then on the flow's and HiFT's buffers
-    of that size come from the heap and stay resident after they are freed (the trim threshold rises with it).
-    Full-size `cpu` engine, 250 tokens, peak RSS of one request: 852 -> 841 MB (fastest, stream off), 895 -> 883
-    (official), 916 -> 907 (fastest, stream on), the same synthesis times within the box's noise. Blocks of
-    4 MiB and more are few per graph call, so mapping each costs nothing measurable (256 KiB cost 8-12 %)."""
+def _tune_malloc() -> None:
+    """The process's glibc allocation policy for graph calls of changing sizes (`mallopt`).
+
+    M_MMAP_THRESHOLD fixed at MMAP_THRESHOLD: by default it rises to the largest mapped block freed (up to 32 MiB),
+    so from then on the flow's and HiFT's buffers of that size come from the heap and stay resident after they are
+    freed (the trim threshold rises with it). Full-size `cpu` engine, 250 tokens, peak RSS of one request: 852 -> 841
+    MB (fastest, stream off), 895 -> 883 (official), 916 -> 907 (fastest, stream on), the same synthesis times within
+    the box's noise. Blocks of 4 MiB and more are few per graph call, so mapping each costs nothing measurable (256 KiB
+    cost 8-12 %).
+
+    M_ARENA_MAX at MALLOC_ARENAS: each thread that allocates (a stream's decode thread, the server's request
+    threads) otherwise gets a heap of its own that keeps its freed blocks. Full-size `cpu-int4` engine, 250 tokens,
+    two runs each: fastest stream on 745-749 -> 742 MB, official stream on 749-750 -> 747, fastest stream off 745-746
+    -> 742 (2 heaps: the default's figures). The blocks left on the heap are small (numpy's and ONNX Runtime's
+    bookkeeping; large buffers are mapped, ORT's arena hands out the activations), so one lock serves them."""
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)  # -3: M_MMAP_THRESHOLD
+        libc.mallopt(-8, MALLOC_ARENAS)   # -8: M_ARENA_MAX
     except (OSError, AttributeError):  # not glibc: its own policy stands
         pass
 

@@ -141,3 +141,46 @@ def test_freed_large_buffers_leave_the_process(cv2_tiny_bundle):
     done = subprocess.run([sys.executable, "-c", LARGE_BUFFER_PROBE, str(path)], capture_output=True, text=True,
                           check=True, timeout=120)
     assert json.loads(done.stdout.strip().splitlines()[-1])["held_mb"] < 2
+
+
+HEAP_PROBE = r"""
+import ctypes, json, sys, tempfile, threading
+from pathlib import Path
+import numpy as np
+from cosyedge.device.sessions import SessionConfig
+
+if sys.argv[2] == "session":
+    SessionConfig(providers=("cpu",), intra_op_threads=1).create(Path(sys.argv[1]))
+held, ready = [], threading.Barrier(4)
+
+def allocate():
+    ready.wait()                    # all four threads allocate at once, as a stream's threads do
+    held.extend(np.ones(16 << 10, np.float32) for _ in range(50))   # 64 KB each: heap blocks, not mapped
+
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+libc = ctypes.CDLL("libc.so.6")
+libc.fopen.restype = ctypes.c_void_p
+with tempfile.NamedTemporaryFile(suffix=".xml") as report:
+    stream = libc.fopen(report.name.encode(), b"w")
+    libc.malloc_info(0, ctypes.c_void_p(stream))
+    libc.fclose(ctypes.c_void_p(stream))
+    print(json.dumps({"heaps": Path(report.name).read_text().count("<heap nr=")}))
+"""
+
+
+def test_threads_share_one_malloc_heap_once_a_flow_session_exists(cv2_tiny_bundle):
+    """A stream's decode thread and the server's request threads allocate from one glibc heap once a flow or HiFT
+    session exists (`sessions.MALLOC_ARENAS`): a heap per thread keeps each thread's freed blocks (3-4 MB of a
+    full-size stream's peak). Without such a session the same four threads get heaps of their own."""
+    bundle = Bundle.load(cv2_tiny_bundle)
+    path = bundle.path(bundle.component("hift_decoder", "fp32").file)
+
+    def heaps(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", HEAP_PROBE, str(path), mode], capture_output=True, text=True,
+                              check=True, timeout=120)
+        return json.loads(done.stdout.strip().splitlines()[-1])["heaps"]
+
+    assert heaps("none") > 1     # the probe sees per-thread heaps where glibc's default stands
+    assert heaps("session") == sessions.MALLOC_ARENAS == 1
