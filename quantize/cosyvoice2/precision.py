@@ -35,9 +35,9 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
 
     A stage that misses its gate raises ReleaseError naming target and stage, unless `allow_fallback`: then the stage
     moves down its ladder (int8 -> fp16 -> fp32 for trt-int8, int8 -> fp32 for cpu, the LLM int4 -> int4-b32 -> int8 ->
-    fp32 for cpu-int4, fp16 -> fp32 for gpu-fp16) and the manifest records `fallback_from`. The cpu HiFT decoder is int8 only
-    when it passes (fp32 otherwise, no error). Graphs two targets share (cpu and cpu-int4 flow / HiFT) are built and
-    gated once.
+    fp32 for cpu-int4, fp16 -> fp32 for gpu-fp16) and the manifest records `fallback_from`. The cpu HiFT decoder is
+    int8 only when it passes (fp32 otherwise, no error). Graphs two targets share (cpu and cpu-int4 flow / HiFT) are
+    built and gated once.
     After the stages, the end-to-end gate (flow + HiFT from the same tokens) must pass as well; with
     `allow_fallback` the lower-precision of flow / HiFT (the flow on a tie) moves up one rung until it does.
     Graphs of rejected attempts are deleted from `work`. Another family passes its node-name `rules` and its
