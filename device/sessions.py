@@ -45,12 +45,15 @@ class SessionConfig:
     # HiFT decoder grew 154 -> 302 MB over five calls of 300-520 frames, 15-62 MB with "shrink"). Each graph names
     # the smallest call that shrinks (elements of its largest input): VITS shrinks only after long calls (the
     # default voice's service reading hostile texts peaked at 617-752 MB with "keep", ~510 MB with "shrink"),
-    # since re-faulting fresh pages after every everyday sentence would cost more than the memory saved. Other
-    # graphs keep their arenas: their calls are small and frequent (LLM decode steps). The graphs that shrink share
-    # one CPU arena (`_register_shared_arena`).
+    # since re-faulting fresh pages after every everyday sentence would cost more than the memory saved. The LLM
+    # shrinks after prefills only (its decode steps, small and every few ms, bring their own run options:
+    # kvcache.LLMCalls): a full-size prefill of 137 positions left 34 MB in a kept arena for the whole stream
+    # (cpu-int4, 250 tokens, one process each: peaks 707-710 -> 689 MB fastest stream on, 747-750 -> 728 official
+    # stream on, 742-746 -> 724 fastest stream off; decode steps 10.2-11.4 against 10.4-12.1 ms). Other graphs
+    # keep ORT's default. The graphs that shrink share one CPU arena (`_register_shared_arena`).
     arena: str = "shrink"
     shrink_graphs: tuple[tuple[str, int], ...] = (("flow_encoder", 0), ("flow_estimator", 0), ("hift_source", 0),
-                                                  ("hift_decoder", 0), ("vits", VITS_SHRINK_ABOVE))
+                                                  ("hift_decoder", 0), ("vits", VITS_SHRINK_ABOVE), ("llm", 0))
     # CosyVoice2 streaming: the flow's per-voice prompt states kept at most (MB; 0: none kept, each streaming call
     # computes its voice's state again). cosyvoice2/prompt_cache.py: a 3.5 s prompt is 26 MB for `fastest`, 172 MB
     # for `official` at CosyVoice2-0.5B sizes; a quarter of that on the cpu targets (int8 states).
@@ -223,8 +226,12 @@ class ShrinkingSession:
             return_freed_memory()      # what the arena freed sits in glibc's heap until trimmed
 
     def run_with_iobinding(self, binding: Any, run_options: ort.RunOptions | None = None) -> Any:
+        """An io-bound call shrinks unless the caller brings its own `run_options` (a call it knows to be small:
+        an LLM decode step, kvcache.LLMCalls)."""
+        if run_options is not None:
+            return self._session.run_with_iobinding(binding, run_options)
         try:
-            return self._session.run_with_iobinding(binding, run_options or self._options)
+            return self._session.run_with_iobinding(binding, self._options)
         finally:
             return_freed_memory()
 

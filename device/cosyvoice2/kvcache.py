@@ -98,6 +98,10 @@ class LLMCalls:
         self._device = "cuda" if session.get_providers()[0] in _GPU_PROVIDERS else "cpu"
         meta = session.get_modelmeta().custom_metadata_map
         self._max_positions = int(meta.get("max_positions", 0)) if self.shared else 0
+        # decode steps run with options of their own: a session that hands its arena back after a call
+        # (sessions.ShrinkingSession) then does so after prefills only, whose activations are the largest the LLM
+        # allocates, and steps (small, every few ms) keep the regions they reuse
+        self._step_options = ort.RunOptions()
 
     # ----------------------------------------------------------------------------------------------- calls
     def prefill(self, rows: Sequence[np.ndarray]) -> tuple[np.ndarray, KVCache]:
@@ -118,7 +122,7 @@ class LLMCalls:
         shape = (layers, len(rows), heads, _slots(width + _GROWTH_SLOTS), dim)
         cache = SharedCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32), lengths)
         positions = np.minimum(np.arange(width)[None, :], (lengths - 1)[:, None])
-        logits = self._shared(embeds, positions, lengths, width, lengths - 1, cache)
+        logits = self._shared(embeds, positions, lengths, width, lengths - 1, cache, None)
         return logits, cache
 
     def decode(self, embeds: np.ndarray, cache: KVCache) -> tuple[np.ndarray, KVCache]:
@@ -135,7 +139,7 @@ class LLMCalls:
         if int(total.max()) > cache.capacity:
             cache = self._resized(cache, _slots(2 * cache.capacity))
         logits = self._shared(embeds, cache.lengths[:, None], total, int(total.max()), np.zeros(len(total), np.int64),
-                              cache)
+                              cache, self._step_options)
         cache.lengths = total
         return logits, cache
 
@@ -207,12 +211,12 @@ class LLMCalls:
         if self._record is not None:
             self._record(arrays if past_key is None else arrays | {"past_key": past_key.numpy(),
                                                                     "past_value": past_value.numpy()})
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, None if past_key is None else self._step_options)
         logits, key, value = binding.get_outputs()
         return logits.numpy(), key, value
 
     def _shared(self, embeds: np.ndarray, positions: np.ndarray, total: np.ndarray, longest: int,
-                last: np.ndarray, cache: SharedCache) -> np.ndarray:
+                last: np.ndarray, cache: SharedCache, options: ort.RunOptions | None) -> np.ndarray:
         feeds = {"inputs_embeds": np.ascontiguousarray(embeds, np.float32),
                  "position_ids": np.ascontiguousarray(positions, np.int64),
                  "seqlens_k": (total - 1).astype(np.int32), "total_sequence_length": np.array(longest, np.int32),
@@ -229,5 +233,5 @@ class LLMCalls:
         for name, buffer in cache.bound:
             binding.bind_ortvalue_input(f"past_{name}", buffer)
             binding.bind_ortvalue_output(f"present_{name}", buffer)
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, options)
         return binding.get_outputs()[0].numpy()

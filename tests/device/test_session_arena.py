@@ -79,11 +79,14 @@ def test_flow_and_hift_sessions_give_their_activations_back(cv2_tiny_bundle):
     assert shrink["growth_mb"][-1] <= keep["growth_mb"][-1] / 2, (shrink, keep)     # measured 39 vs 113 MB
 
 
-def test_only_flow_and_hift_graphs_shrink(cv2_tiny_bundle):
+def test_only_flow_hift_and_llm_graphs_shrink(cv2_tiny_bundle):
+    """The flow, HiFT and LLM sessions hand their arenas back (the LLM after prefills only:
+    tests/quantize/test_llm_shared_kv.py); CAM++ (one call per new voice) keeps ORT's default."""
     bundle = Bundle.load(cv2_tiny_bundle)
     config = SessionConfig(providers=("cpu",), intra_op_threads=1)
-    assert isinstance(config.create(bundle.path(bundle.component("flow_estimator", "fp32").file)), ShrinkingSession)
-    assert not isinstance(config.create(bundle.path(bundle.component("llm", "fp32").file)), ShrinkingSession)
+    for graph in ("flow_estimator", "llm"):
+        assert isinstance(config.create(bundle.path(bundle.component(graph, "fp32").file)), ShrinkingSession), graph
+    assert not isinstance(config.create(bundle.path(bundle.component("campplus", "fp32").file)), ShrinkingSession)
     with pytest.raises(ProviderError, match="arena"):
         SessionConfig(arena="grow")
 

@@ -18,6 +18,7 @@ import pytest
 
 from cosyedge.device.bundle import Bundle
 from cosyedge.device.cosyvoice2.kvcache import LLMCalls, SharedCache, StackedCache
+from cosyedge.device.sessions import ShrinkingSession
 from cosyedge.quantize.cosyvoice2.bundle import write_bundle
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
 from cosyedge.quantize.cosyvoice2.random_init import write_random_release
@@ -121,3 +122,36 @@ def test_decode_writes_into_the_same_buffers(graphs):
         _, cache = calls.decode(rng.standard_normal((1, 1, hidden)).astype(np.float32), cache)
         assert cache.key is buffer and cache.key.ctypes.data == pointer         # no copy, no new cache
         assert cache.key[:, 0, :, 5 + step].any() and not cache.key[:, 0, :, 6 + step:].any()
+
+
+class _ShrinkRecorder:
+    """An LLM session that records, per io-bound call, whether its run options shrink the memory arena."""
+
+    def __init__(self, session: ort.InferenceSession) -> None:
+        self._session, self.shrinks = session, []
+
+    def __getattr__(self, name: str):
+        return getattr(self._session, name)
+
+    def run_with_iobinding(self, binding, run_options=None):
+        try:
+            shrink = run_options.get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
+        except (AttributeError, RuntimeError):  # no options, or options without the entry
+            shrink = False
+        self.shrinks.append(shrink)
+        return self._session.run_with_iobinding(binding, run_options)
+
+
+def test_prefill_hands_its_arena_back_and_decode_steps_keep_it(graphs):
+    """Through a shrinking session (the runtime's CPU LLM, sessions.SessionConfig.shrink_graphs) a prefill, the
+    LLM's largest activations (34 MB at full size for 137 positions, else held by the arena through the whole
+    stream), ends by shrinking the arena; decode steps, every few milliseconds, keep it. Both cache contracts."""
+    rng = np.random.default_rng(4)
+    for path in graphs:
+        recorder = _ShrinkRecorder(_calls(path)._session)
+        calls = LLMCalls(ShrinkingSession(recorder))
+        hidden = recorder.get_inputs()[0].shape[2]
+        _, cache = calls.prefill([rng.standard_normal((1, 5, hidden)).astype(np.float32)])
+        for _ in range(3):
+            _, cache = calls.decode(rng.standard_normal((1, 1, hidden)).astype(np.float32), cache)
+        assert recorder.shrinks == [True, False, False, False], path.name
