@@ -146,7 +146,9 @@ def build_targets(targets: Sequence[str], fp32: dict[str, Path], work: Path, gat
             **({"llm_int8": cpu_llm_method} if target in CPU_TARGETS and stages["llm"] == "int8" else {}),
         }
         quality[target] = report
-    for v in [v for v in built if v not in used]:   # graphs of attempts that missed their gate
+    # graphs of attempts that missed their gate: `built` holds only files build_variant wrote here, each at
+    # `work / v.work_name` in the writer's own fresh work directory (fp32 exports are never entered in it)
+    for v in [v for v in built if v not in used]:
         built.pop(v).unlink()
     # one file per component and precision: only cpu-int4 has 4-bit rungs, so its chosen block is the only one kept
     return TargetBuild({(v.component, v.precision): path for v, path in built.items()}, config, quality)
