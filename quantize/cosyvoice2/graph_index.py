@@ -82,6 +82,8 @@ def _evaluate(node: onnx.NodeProto, args: list, g: GraphIndex) -> np.ndarray | N
         return _ARITHMETIC[op](args[0], args[1])
     if op == "Sqrt":
         return np.sqrt(args[0])
+    if op == "Identity":       # the exporter's alias of a deduplicated constant
+        return args[0]
     if op == "Reciprocal":
         return 1.0 / args[0]
     if op == "Cast":

@@ -5,7 +5,9 @@ Four targets (layout and manifest keys in docs/bundle_cosyvoice2.md, "Precision 
 * `cpu` (ONNX Runtime CPU): LLM graphs with int8 weights (`CPU_LLM_METHOD`, chosen by measurement on the full-size
   graph: int8 weight products with each activation row quantized on its own, llm_row_int8.py) and the shared
   key/value cache contract where the head size allows (`GraphRules.shared_kv`, llm_shared_kv.py:
-  GroupQueryAttention writes each new position into the cache in place); the flow estimator with dynamic int8
+  GroupQueryAttention writes each new position into the cache in place) with fewer kernel calls per decode step:
+  each residual sum fused with the norm after it (llm_skip_norm.py) and the products that read one activation
+  packed into one (llm_packing.py: query-key-value, gate-up); the flow estimator with dynamic int8
   MatMuls (`CPU_FLOW_DYNAMIC`: int8 weights per channel, activations quantized per call, the CPU's integer
   dot-product kernels) and its attention fused into ONNX Runtime's MultiHeadAttention (`GraphRules.fused_attention`,
   attention_fusion.py) and its Mish activations computed through one Exp (mish_rewrite.py, on every cpu int8
@@ -41,7 +43,9 @@ import onnx
 from cosyedge.quantize.cosyvoice2.attention_fusion import fuse_attention
 from cosyedge.quantize.cosyvoice2.empty_inputs import drop_empty_inputs
 from cosyedge.quantize.cosyvoice2.llm_row_int8 import int8_rows_dynamic
+from cosyedge.quantize.cosyvoice2.llm_packing import pack_products
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
+from cosyedge.quantize.cosyvoice2.llm_skip_norm import fuse_skip_norms
 from cosyedge.quantize.cosyvoice2.mish_rewrite import mish_by_exp
 from cosyedge.quantize.cosyvoice2.precision_transforms import (QUANTIZED_OPS, int8_table_rows,
                                                                int8_weights_dynamic, name_matches, nbits_weights,
@@ -107,7 +111,8 @@ class GraphRules:
     # the CPU kernel's MultiHeadAttention, flash path when unmasked); other targets keep the exported attention
     fused_attention: frozenset[str] = frozenset()
     # LLM graphs whose cpu variants (int8 / int4) take the shared key/value cache contract (llm_shared_kv.py:
-    # GroupQueryAttention writing into a preallocated cache in place) where the kernel supports the head size
+    # GroupQueryAttention writing into a preallocated cache in place) where the kernel supports the head size, their
+    # residual sums fused with the norms after them (llm_skip_norm.py) and sibling products packed (llm_packing.py)
     shared_kv: frozenset[str] = frozenset()
     # graphs kept fp32 at every rung of the cpu targets (no calibration-free int8 transform in this family; the cpu
     # ladder's int8 flow rung quantizes the flow encoder only where `dynamic_int8` has it)
@@ -193,7 +198,7 @@ def build_variant(v: Variant, fp32: Path, dst: Path, calibration: Sequence[dict[
         source = fp32
         if v.graph in rules.shared_kv and supports_shared_kv(fp32):
             source = dst.with_name(f"{dst.stem}.kv32.onnx")
-            shared_kv_llm(fp32, source)
+            pack_products(fuse_skip_norms(shared_kv_llm(fp32))[0], source)
         if v.precision == "int4":
             nbits_weights(source, dst, exclude, bits=4, block=v.block or None)
             int8_rows_dynamic(dst, dst)  # the speech-token head, the one float product left (CPU_LLM_METHOD note)

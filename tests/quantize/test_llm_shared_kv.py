@@ -1,7 +1,10 @@
 """The shared key/value cache LLM graph (quantize/cosyvoice2/llm_shared_kv.py) and its calls (device kvcache.py):
 the rewritten graph equals the exported (stacked-cache) graph it replaces within fp32 round-off, through the
 runtime's own calls, for a batch of prompts of different lengths, decode steps past a buffer growth, and rows
-joining and leaving; each decode step writes into the same buffers (nothing copied).
+joining and leaving; each decode step writes into the same buffers (nothing copied). The same for its form with
+fewer kernel calls per step, as the cpu targets build it: residual sums fused with the norms after them
+(quantize/cosyvoice2/llm_skip_norm.py), then query, key and value in one product, gate and up in another
+(quantize/cosyvoice2/llm_packing.py).
 
 The releases are random_init's `cosyvoice2-tiny` and `cosyvoice3-tiny` presets (golden tiny sizes, head size 16:
 the smallest ONNX Runtime's GroupQueryAttention kernel runs; the golden tiny release's 8 keeps the stacked graph,
@@ -20,7 +23,9 @@ from cosyedge.device.bundle import Bundle
 from cosyedge.device.cosyvoice2.kvcache import LLMCalls, SharedCache, StackedCache
 from cosyedge.device.sessions import ShrinkingSession
 from cosyedge.quantize.cosyvoice2.bundle import write_bundle
+from cosyedge.quantize.cosyvoice2.llm_packing import pack_products
 from cosyedge.quantize.cosyvoice2.llm_shared_kv import shared_kv_llm, supports_shared_kv
+from cosyedge.quantize.cosyvoice2.llm_skip_norm import fuse_skip_norms
 from cosyedge.quantize.cosyvoice2.random_init import write_random_release
 from cosyedge.quantize.cosyvoice3.bundle import write_bundle as write_bundle3
 from cosyedge.quantize.cosyvoice3.random_init import write_random_release as write_random_release3
@@ -33,9 +38,9 @@ FAMILIES = {"cosyvoice2": (write_random_release, write_bundle), "cosyvoice3": (w
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def graphs(request: pytest.FixtureRequest, golden_dir: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> tuple[Path, Path]:
-    """The stacked fp32 LLM of the family's `<family>-tiny` random release and its shared-cache rewrite (the v3
-    LLM is the same Qwen2 graph with another speech vocabulary and stop set)."""
+           ) -> tuple[Path, Path, Path]:
+    """The stacked fp32 LLM of the family's `<family>-tiny` random release, its shared-cache rewrite (the v3
+    LLM is the same Qwen2 graph with another speech vocabulary and stop set) and that rewrite fused and packed."""
     family = request.param
     write_release, write = FAMILIES[family]
     root = tmp_path_factory.mktemp(f"sharedkv-{family}")
@@ -44,7 +49,8 @@ def graphs(request: pytest.FixtureRequest, golden_dir: Path, tmp_path_factory: p
     assert bundle.manifest.family == family
     stacked = bundle.path(bundle.component("llm", "fp32").file)
     shared_kv_llm(stacked, root / "llm.shared.onnx")
-    return stacked, root / "llm.shared.onnx"
+    pack_products(fuse_skip_norms(root / "llm.shared.onnx")[0], root / "llm.packed.onnx")
+    return stacked, root / "llm.shared.onnx", root / "llm.packed.onnx"
 
 
 def _calls(path: Path) -> LLMCalls:
@@ -111,9 +117,41 @@ def test_shared_graph_equals_the_stacked_graph_through_the_runtime_calls(graphs)
                                    atol=1e-5)
 
 
+def test_packed_graph_has_one_product_per_activation_and_one_node_per_residual_norm(graphs):
+    """Per layer: one query-key-value product feeding the kernel's packed input, one gate-up product and a Split,
+    the output and down products: 4 MatMuls where the shared graph has 7. Every norm after a residual sum is one
+    SkipSimplifiedLayerNormalization (two per layer but the first layer's input norm); two exported norms stay (the
+    first layer's, over the embeddings, and the final one, after the last position's gather)."""
+    shared, packed = onnx.load(str(graphs[1])), onnx.load(str(graphs[2]))
+    layers = sum(n.op_type == "GroupQueryAttention" for n in shared.graph.node)
+    count = lambda model, op: sum(n.op_type == op for n in model.graph.node)   # noqa: E731
+    assert count(packed, "MatMul") == count(shared, "MatMul") - 3 * layers
+    assert count(packed, "SkipSimplifiedLayerNormalization") == 2 * layers - 1
+    assert count(shared, "Pow") == 2 * layers + 1 and count(packed, "Pow") == 2
+    assert count(packed, "Split") == layers and count(packed, "GroupQueryAttention") == layers
+    for node in (n for n in packed.graph.node if n.op_type == "GroupQueryAttention"):
+        assert node.input[0].endswith("qkv_proj/Add_output_0") and list(node.input[1:3]) == ["", ""]
+    _, attention, groups = pack_products(graphs[2])
+    assert (attention, groups) == (0, 0) and fuse_skip_norms(graphs[2])[1] == 0      # nothing left to do
+
+
+def test_packed_graph_equals_the_shared_graph_through_the_runtime_calls(graphs):
+    rng = np.random.default_rng(5)
+    shared, packed = _calls(graphs[1]), _calls(graphs[2])
+    hidden = shared._session.get_inputs()[0].shape[2]
+    prompts = [rng.standard_normal((1, n, hidden)).astype(np.float32) for n in (7, 11)]
+    steps = [rng.standard_normal((2, 1, hidden)).astype(np.float32) for _ in range(140)]  # past the first buffer
+    join = rng.standard_normal((1, 5, hidden)).astype(np.float32)
+    want, _ = _run(shared, prompts, steps, join, leave=0)
+    got, caches = _run(packed, prompts, steps, join, leave=0)
+    assert len(got) == len(want) == 142 and caches[-1].capacity > caches[1].capacity
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+
+
 def test_decode_writes_into_the_same_buffers(graphs):
     rng = np.random.default_rng(3)
-    calls = _calls(graphs[1])
+    calls = _calls(graphs[2])
     hidden = calls._session.get_inputs()[0].shape[2]
     _, cache = calls.prefill([rng.standard_normal((1, 5, hidden)).astype(np.float32)])
     buffer, pointer = cache.key, cache.key.ctypes.data
@@ -147,7 +185,7 @@ def test_prefill_hands_its_arena_back_and_decode_steps_keep_it(graphs):
     LLM's largest activations (34 MB at full size for 137 positions, else held by the arena through the whole
     stream), ends by shrinking the arena; decode steps, every few milliseconds, keep it. Both cache contracts."""
     rng = np.random.default_rng(4)
-    for path in graphs:
+    for path in graphs[:2]:
         recorder = _ShrinkRecorder(_calls(path)._session)
         calls = LLMCalls(ShrinkingSession(recorder))
         hidden = recorder.get_inputs()[0].shape[2]
