@@ -17,8 +17,7 @@ import onnx
 from onnx import helper
 
 from cosyedge.quantize.cosyvoice2.graph_index import GraphIndex, finish, prune, scalar
-
-MS_DOMAIN = "com.microsoft"
+from cosyedge.quantize.cosyvoice2.llm_shared_kv import MS_DOMAIN
 
 
 def _is_constant(g: GraphIndex, name: str) -> bool:
@@ -34,33 +33,39 @@ def _constant(g: GraphIndex, name: str) -> float | None:
     return scalar(g, name) if _is_constant(g, name) else None
 
 
+def _with_constant(g: GraphIndex, node: onnx.NodeProto | None, op: str) -> tuple[str, onnx.NodeProto] | None:
+    """(the constant input, the other input's producer when it is an `op`) of a two-input node, in either order."""
+    for i in (0, 1):
+        other = g.node(node.input[1 - i], op) if node is not None else None
+        if other is not None and _is_constant(g, node.input[i]):
+            return node.input[i], other
+    return None
+
+
 def _rms_norm(g: GraphIndex, mul: onnx.NodeProto) -> tuple[str, str, float] | None:
     """(x, weight, eps) if `mul` = weight * (x / sqrt(mean(x^2, last axis) + eps)) as the export writes it."""
-    if mul.op_type != "Mul":
+    found = _with_constant(g, mul, "Mul") if mul.op_type == "Mul" else None
+    if found is None:
         return None
-    for i in (0, 1):
-        weight, scaled_node = mul.input[i], g.node(mul.input[1 - i], "Mul")
-        if scaled_node is None or not _is_constant(g, weight):
+    weight, scaled_node = found
+    for j in (0, 1):
+        x, div = scaled_node.input[j], g.node(scaled_node.input[1 - j], "Div")
+        if div is None or _constant(g, div.input[0]) != 1.0:
             continue
-        for j in (0, 1):
-            x, div = scaled_node.input[j], g.node(scaled_node.input[1 - j], "Div")
-            if div is None or _constant(g, div.input[0]) != 1.0:
-                continue
-            sqrt = g.node(div.input[1], "Sqrt")
-            add = g.node(sqrt.input[0], "Add") if sqrt is not None else None
-            if add is None:
-                continue
-            for k in (0, 1):
-                eps, mean = _constant(g, add.input[k]), g.node(add.input[1 - k], "ReduceMean")
-                pow_ = g.node(mean.input[0], "Pow") if mean is not None else None
-                if eps is None or pow_ is None or pow_.input[0] != x or _constant(g, pow_.input[1]) != 2.0:
-                    continue
-                axes = g.attr(mean, "axes") or (list(g.value(mean.input[1])) if len(mean.input) > 1
-                                                and mean.input[1] in g.inits else None)
-                rank = len(g.shapes.get(x) or []) or None    # unknown past the graph's contrib nodes
-                if g.attr(mean, "keepdims", 1) == 1 and axes is not None and len(axes) == 1 \
-                        and (axes[0] == -1 or (rank is not None and axes[0] == rank - 1)):
-                    return x, weight, eps
+        sqrt = g.node(div.input[1], "Sqrt")
+        eps_mean = _with_constant(g, g.node(sqrt.input[0], "Add") if sqrt is not None else None, "ReduceMean")
+        if eps_mean is None:
+            continue
+        eps, mean = _constant(g, eps_mean[0]), eps_mean[1]
+        pow_ = g.node(mean.input[0], "Pow")
+        if eps is None or pow_ is None or pow_.input[0] != x or _constant(g, pow_.input[1]) != 2.0:
+            continue
+        axes = g.attr(mean, "axes") or (list(g.value(mean.input[1])) if len(mean.input) > 1
+                                        and mean.input[1] in g.inits else None)
+        rank = len(g.shapes.get(x) or []) or None    # unknown past the graph's contrib nodes
+        if g.attr(mean, "keepdims", 1) == 1 and axes is not None and len(axes) == 1 \
+                and (axes[0] == -1 or (rank is not None and axes[0] == rank - 1)):
+            return x, weight, eps
     return None
 
 
