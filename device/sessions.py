@@ -206,22 +206,28 @@ def _register_shared_arena() -> None:
             _shared_arena_registered = True
 
 
+def _shrinking(options: ort.RunOptions) -> ort.RunOptions:
+    """`options`, set to hand the CPU arena's freed regions back when the call ends."""
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
+
+
 class ShrinkingSession:
     """An ONNX Runtime CPU session whose graph calls larger than `above` (elements of the largest input) end by
     shrinking its memory arena (RunOptions `memory.enable_memory_arena_shrinkage`): what such a call allocated goes
     back once the call is over, so the resident set between requests stays the weights, not the largest
-    activations seen. Everything else delegates."""
+    activations seen (a caller's own run options get the same entry). Everything else delegates."""
 
     def __init__(self, session: ort.InferenceSession, above: int = 0) -> None:
         self._session, self._above = session, above
-        self._options = ort.RunOptions()
-        self._options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self._options = _shrinking(ort.RunOptions())
 
     def run(self, output_names: Any, input_feed: Any, run_options: ort.RunOptions | None = None) -> Any:
         if max((np.size(value) for value in input_feed.values()), default=0) <= self._above:
             return self._session.run(output_names, input_feed, run_options)
         try:
-            return self._session.run(output_names, input_feed, run_options or self._options)
+            return self._session.run(output_names, input_feed,
+                                     self._options if run_options is None else _shrinking(run_options))
         finally:
             return_freed_memory()      # what the arena freed sits in glibc's heap until trimmed
 

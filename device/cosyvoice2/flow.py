@@ -20,6 +20,9 @@ from cosyedge.device.cosyvoice2.presets import OFFICIAL, Preset
 from cosyedge.device.cosyvoice2.prompt_cache import Int8Hidden, PromptCache, PromptState, frames_within, prompt_key
 from cosyedge.device.errors import InputError
 
+# Runs one estimator call, given as a function of the run options to use (streaming.ChunkGate.later_step).
+StepRunner = Callable[[Callable[[ort.RunOptions | None], list[np.ndarray]]], list[np.ndarray]]
+
 
 @dataclass(frozen=True)
 class FlowConfig:
@@ -105,20 +108,20 @@ class Flow:
         return Preset(OFFICIAL, self.config.n_timesteps, self.config.n_timesteps)
 
     def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
-            preset: Preset | None = None, start: int = 0, pause: Callable[[], None] | None = None) -> np.ndarray:
+            preset: Preset | None = None, start: int = 0, run_step: StepRunner | None = None) -> np.ndarray:
         """[1, M, ratio * (n - start)] mel of the generated tokens from `start` on (prompt frames removed).
 
         finalize=False: the last `pre_lookahead_len` tokens are look-ahead context only and produce no mel.
         start > 0 (a preset's bounded streaming re-solve): tokens[:start] are left out of the flow's context; the
-        noise of every frame is still the one at its position in the whole utterance. `pause` (a stream's later
-        chunk: `ChunkGate.yield_to_first`) is called before each estimator step and may block.
+        noise of every frame is still the one at its position in the whole utterance. `run_step` (a stream's later
+        chunk: `ChunkGate.later_step`) runs each estimator step; it may wait, and stop a step and run it again.
         """
         mu, spks, cond = self._condition(prompt, tokens[start:], finalize, streaming)
         skip = self.config.token_mel_ratio * start
         past = self.prompt_state(prompt, preset) if streaming and not finalize else None
         done = past.frames if past else 0
         return self.solve(mu, spks, cond, streaming, preset=preset, skip=(prompt.mel.shape[0], skip),
-                          past=[past] if past else (), pause=pause)[:, :, prompt.mel.shape[0] - done:]
+                          past=[past] if past else (), run_step=run_step)[:, :, prompt.mel.shape[0] - done:]
 
     def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray],
              preset: Preset | None = None, streaming: bool = False) -> list[np.ndarray]:
@@ -190,7 +193,7 @@ class Flow:
               mask: np.ndarray | None = None, preset: Preset | None = None,
               skip: tuple[int, int] = (0, 0), past: Sequence[PromptState] = (),
               keep: tuple[int, list[tuple[np.ndarray, np.ndarray]]] | None = None,
-              pause: Callable[[], None] | None = None) -> np.ndarray:
+              run_step: StepRunner | None = None) -> np.ndarray:
         """The official Euler solver with classifier-free guidance, float32 (t accumulated as the official loop).
 
         Rows [B, M, T] may be right-padded (mask [B, 1, T] zero there); every row starts from the same fixed
@@ -199,7 +202,8 @@ class Flow:
         frames from `at` on take the noise n frames further on (a bounded re-solve left n frames out there).
         `past` (a prompt state per row, all of F frames): the first F frames are the states', not solved again, and
         the result starts at frame F. `keep` (n, list): each step's state after the first n frames is appended.
-        `pause`, if given, is called before each step (it may block: the caller's turn yields there).
+        `run_step`, if given, runs each estimator call with run options of its own (the caller's turn may wait
+        there, or stop a call midway and run it again: the same inputs, the same result).
         """
         c = self.config
         preset = preset or self.official
@@ -224,17 +228,20 @@ class Flow:
                   "spks": np.concatenate([spks, np.zeros_like(spks)]), "cond": np.concatenate([cond, zeros]),
                   "streaming": _flag(streaming)}
         plain = {"mask": mask, "mu": mu, "spks": spks, "cond": cond, "streaming": guided["streaming"]}
+
+        def estimate(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            def call(options: ort.RunOptions | None) -> list[np.ndarray]:
+                return self._estimator.run(outputs, feeds, options)
+            return self._estimator.run(outputs, feeds) if run_step is None else run_step(call)
+
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, preset.steps + 1):
-            if pause is not None:
-                pause()
             state = _past_feeds(past, step - 1, step <= preset.cfg_steps, self._int8_feed) | extra
             if step <= preset.cfg_steps:
-                v, *kept = self._estimator.run(outputs, guided | state | {"x": np.concatenate([x, x]),
-                                                                          "t": np.full(2 * rows, t, np.float32)})
+                v, *kept = estimate(guided | state | {"x": np.concatenate([x, x]), "t": np.full(2 * rows, t, np.float32)})
                 x = x + dt * ((1 + rate) * v[:rows] - rate * v[rows:])
             else:
-                v, *kept = self._estimator.run(outputs, plain | state | {"x": x, "t": np.full(rows, t, np.float32)})
+                v, *kept = estimate(plain | state | {"x": x, "t": np.full(rows, t, np.float32)})
                 x = x + dt * v
             if keep:
                 keep[1].append((Int8Hidden.of(kept[0]) if self._quantized_state else kept[0].copy(), kept[1].copy()))

@@ -24,9 +24,11 @@ it waits for every chunk's work (`decode_yields_always`) unless a stream still w
 (`awaiting_first`, so a newcomer's first audio is not held behind others' later chunks): decode steps and chunk work
 then take turns, each with all the cores, instead of running at once on oversubscribed cores (2 cores, full-size
 CosyVoice2 cpu, each session 2 threads: a decode step beside a looping estimator call took 37-47 ms against 14.5 ms
-alone, and the estimator ran 0.71-0.97 calls/s against 2.2 alone). For the same reason a later chunk's flow pauses
-before each estimator step while a stream waits for its first tokens or a first chunk's work runs
-(`yield_to_first`): the newcomer's prefill and first tokens get the cores instead of sharing them with a re-solve.
+alone, and the estimator ran 0.71-0.97 calls/s against 2.2 alone). For the same reason a later chunk's estimator
+steps give way while a stream waits for its first tokens or a first chunk's work runs (`later_step`): a step waits
+before it starts, and a step already running is stopped (ONNX Runtime's `RunOptions.terminate`, checked between
+nodes) and runs again afterwards with the same inputs, so the newcomer's prefill, first tokens and first chunk get
+the cores at once instead of sharing them with the rest of a re-solve's step (up to a second on a small CPU).
 A stream's decoder runs ahead only while its consumer waits for tokens, so it still interleaves with the chunks.
 
 First chunks together (`ChunkGate.first_mel`): the stream whose first chunk gets the turn solves, in one flow call,
@@ -47,12 +49,15 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
+import onnxruntime as ort
 
 from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
 from cosyedge.device.cosyvoice2.presets import Preset
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,8 @@ class ChunkGate:
         self._awaiting_first = 0  # streams that have not emitted a chunk yet (`awaiting_first`)
         self._first_batch = first_batch
         self._firsts: list[FirstChunk] = []  # first chunks waiting for their flow call
+        self._steps: set[ort.RunOptions] = set()  # options of the later chunks' estimator steps in flight
+        self.preempted = 0  # later steps stopped midway for a first chunk (tests, profiles)
 
     def _may_start(self, emitted: int) -> bool:
         """A free slot, or with `first_beside` for a first chunk while no other first chunk runs: a turn beside the
@@ -181,6 +188,8 @@ class ChunkGate:
             self._free -= 1
             self._first_running += emitted == 0
             self._later_running += emitted > 0
+            if emitted == 0:
+                self._preempt()
             self._cond.notify_all()  # with slots left, the next ticket may go too
         try:
             yield
@@ -206,6 +215,7 @@ class ChunkGate:
 
         with self._cond:
             self._awaiting_first += 1
+            self._preempt()
             self._cond.notify_all()  # a decode loop held by a later chunk's turn goes on for the newcomer now
         try:
             yield done
@@ -233,6 +243,7 @@ class ChunkGate:
                 member.claimed = True
             self._free -= 1
             self._first_running += 1
+            self._preempt()
             self._cond.notify_all()
         mels: list[np.ndarray] = []
         error: BaseException | None = None
@@ -249,17 +260,40 @@ class ChunkGate:
                 self._cond.notify_all()
         return job.result()
 
-    def yield_to_first(self) -> None:
-        """Block while a stream waits for the tokens of its first chunk or a first chunk's work runs, where the
-        decoder yields always (CPU). A later chunk's flow calls this before each estimator step: an official later
-        chunk re-solves its whole history (seconds on a small CPU), and a newcomer's prefill and first tokens
-        beside it ran on oversubscribed cores; paused between steps, it leaves them the cores until that first
-        chunk is made. No wait elsewhere: the decode loop runs while a stream awaits first tokens, and a first
-        chunk may start beside the paused turn (`first_beside`), or once `done` ends the wait."""
+    def _first_pending(self) -> bool:
+        """A stream waits for the tokens of its first chunk, or a first chunk's work runs (caller holds the lock)."""
+        return self._awaiting_first > 0 or self._first_running > 0
+
+    def _preempt(self) -> None:
+        """Stop the later chunks' estimator steps in flight, where the decoder yields always (caller holds the lock)."""
+        for options in self._steps:
+            options.terminate = True
+
+    def later_step(self, call: Callable[[ort.RunOptions | None], T]) -> T:
+        """One estimator step of a later chunk: `call` runs the graph with the run options given. Where the decoder
+        yields always (CPU), the step waits while a first chunk is pending (a stream waits for its first tokens, or
+        a first chunk's work runs), and a step in flight when one becomes pending is stopped and runs again once it
+        is not. Why: an official later chunk re-solves its whole history (a second a step on a small CPU), and a
+        newcomer's prefill, first tokens and first chunk beside it ran on oversubscribed cores. No wait elsewhere:
+        the decode loop runs while a stream awaits first tokens, and a first chunk may start beside the held turn
+        (`first_beside`)."""
         if not self._decode_yields_always:
-            return
-        with self._cond:
-            self._cond.wait_for(lambda: self._awaiting_first == 0 and self._first_running == 0)
+            return call(None)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._first_pending())
+                options = ort.RunOptions()
+                self._steps.add(options)
+            try:
+                return call(options)
+            except Exception:
+                if not options.terminate:
+                    raise
+                with self._cond:
+                    self.preempted += 1   # stopped for a first chunk: the same inputs go again after it
+            finally:
+                with self._cond:
+                    self._steps.discard(options)
 
     def before_decode_step(self) -> None:
         """Block while chunk work the decode loop yields to is in flow + HiFT: a first chunk's, or with
@@ -305,7 +339,7 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
                 start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
                 with gate.turn(emitted, began):
                     mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start,
-                                   pause=gate.yield_to_first)
+                                   run_step=gate.later_step)
                     chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
             emitted += 1
             yield chunk
@@ -315,6 +349,6 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
     start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
     with gate.turn(emitted, began):     # no chunk yet: this turn is a first chunk's, which nothing pauses
         mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start,
-                       pause=gate.yield_to_first if emitted else None)
+                       run_step=gate.later_step if emitted else None)
         chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
     yield chunk

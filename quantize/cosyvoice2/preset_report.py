@@ -46,10 +46,10 @@ class CountingSession:
         self.calls = 0
         self.row_frames = 0
 
-    def run(self, names: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, names: Any, feeds: dict[str, np.ndarray], *options: Any) -> list[np.ndarray]:
         self.calls += 1
         self.row_frames += int(feeds["x"].shape[0] * feeds["x"].shape[2])
-        return self.inner.run(names, feeds)
+        return self.inner.run(names, feeds, *options)
 
     def take(self) -> tuple[int, int]:
         counts = (self.calls, self.row_frames)

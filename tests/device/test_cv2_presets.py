@@ -46,10 +46,10 @@ class CountingSession:
     def __init__(self, inner: Any, counter: Counter) -> None:
         self.inner, self.counter = inner, counter
 
-    def run(self, names: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, names: Any, feeds: dict[str, np.ndarray], *options: Any) -> list[np.ndarray]:
         self.counter.calls += 1
         self.counter.row_frames += int(feeds["x"].shape[0] * feeds["x"].shape[2])
-        return self.inner.run(names, feeds)
+        return self.inner.run(names, feeds, *options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

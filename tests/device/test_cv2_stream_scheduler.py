@@ -7,7 +7,9 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from cosyedge.device.cosyvoice2.pipeline import pinned
 from cosyedge.device.cosyvoice2.streaming import ChunkGate
@@ -167,15 +169,14 @@ def test_a_newcomer_arriving_during_a_later_chunk_releases_the_held_decode_loop(
 
 
 def test_on_a_cpu_a_later_chunk_pauses_for_a_newcomers_first_tokens_and_chunk() -> None:
-    """`yield_to_first`, which a later chunk's flow calls before each estimator step: where the decoder yields
-    always (CPU) it blocks while a stream waits for its first tokens and while a first chunk's work runs, and goes
-    on after both; elsewhere it never blocks."""
+    """`later_step`, which runs each estimator step of a later chunk's flow: where the decoder yields always (CPU)
+    a step waits while a stream waits for its first tokens and while a first chunk's work runs, and goes on after
+    both; elsewhere it never waits."""
     for always in (True, False):
         gate, passed = ChunkGate(decode_yields_always=always, first_beside=True), []
 
         def later_step() -> None:
-            gate.yield_to_first()
-            passed.append(True)
+            gate.later_step(lambda options: passed.append(True))
 
         with gate.turn(1, 0.0):     # the later chunk's turn, held across its steps
             with gate.awaiting_first() as first_done:
@@ -191,15 +192,84 @@ def test_on_a_cpu_a_later_chunk_pauses_for_a_newcomers_first_tokens_and_chunk() 
         assert passed == [True]
 
 
-def test_a_later_chunks_flow_yields_before_every_estimator_step(engine: Engine, monkeypatch: pytest.MonkeyPatch):
-    """The stream loop hands `yield_to_first` to every later and final chunk's flow call, and the flow calls it
-    once per Euler step (the official preset: n_timesteps), so a paused turn resumes within one step."""
+def _slow_graph() -> tuple[ort.InferenceSession, dict[str, np.ndarray]]:
+    """A real graph long enough to be stopped midway: 200 chained 512 x 512 products (tens of GFLOP)."""
+    size, layers = 512, 200
+    nodes = [helper.make_node("MatMul", [f"x{i}", "w"], [f"x{i + 1}"]) for i in range(layers)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [size, size])],
+                              [helper.make_tensor_value_info(f"x{layers}", TensorProto.FLOAT, [size, size])],
+                              [numpy_helper.from_array(np.eye(size, dtype=np.float32) * 0.999, "w")])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session, {"x0": np.random.default_rng(0).standard_normal((size, size)).astype(np.float32)}
+
+
+def test_a_later_step_in_flight_is_stopped_for_a_newcomer_and_runs_again_after_its_first_chunk() -> None:
+    """A later chunk's estimator step already running when a stream starts to wait for its first tokens is stopped
+    midway (ONNX Runtime's terminate flag on the step's run options) instead of sharing the cores to its end, and
+    runs again, with the same inputs and result, once the newcomer's first chunk is made. A real graph: the first
+    run must end in ORT's own termination, not complete."""
+    session, feeds = _slow_graph()
+    gate = ChunkGate(decode_yields_always=True, first_beside=True)
+    started, attempts, results, first_made = threading.Event(), [], [], threading.Event()
+
+    def call(options: ort.RunOptions | None) -> list[np.ndarray]:
+        attempts.append(first_made.is_set())        # did this run start after the newcomer's first chunk?
+        started.set()
+        try:
+            return session.run(None, feeds, options)
+        except Exception:
+            attempts.append("stopped")
+            raise
+
+    with gate.turn(1, 0.0):
+        step = threading.Thread(target=lambda: results.append(gate.later_step(call)))
+        step.start()
+        assert started.wait(30)
+        with gate.awaiting_first() as first_done:
+            wait_until(lambda: "stopped" in attempts, "the running step was not stopped")
+            first_done()
+            with gate.turn(0, 1.0):                 # the newcomer's first chunk: the stopped step still waits
+                step.join(0.3)
+                assert step.is_alive() and attempts == [False, "stopped"]
+                first_made.set()
+        step.join(60)
+    assert attempts == [False, "stopped", True] and gate.preempted == 1
+    np.testing.assert_array_equal(results[0][0], session.run(None, feeds)[0])
+
+
+def test_a_later_chunks_flow_runs_every_estimator_step_through_its_turn(engine: Engine,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """The stream loop hands `later_step` to every later and final chunk's flow call, and the flow runs each Euler
+    step through it (the official preset: n_timesteps), so a paused turn resumes within one step; a step stopped
+    midway and run again (the first of each chunk, here) gives the stream the audio it has undisturbed."""
     pipeline = engine.pipeline
     gate, calls, steps = pipeline._chunk_gate, [], pipeline._flow.config.n_timesteps
-    monkeypatch.setattr(gate, "yield_to_first", lambda: calls.append(True))
     options = pinned(engine.options(voice=VOICE, seed=3, sampling="greedy"), 200)
+    undisturbed = list(pipeline.stream(engine.segments(TEXT)[0], options))
+    real_step = gate.later_step
+
+    def stopped_once(call):
+        calls.append(True)
+        tries = []
+
+        def first_try_stopped(run_options):
+            tries.append(True)
+            if len(tries) == 1 and len(calls) % steps == 1:
+                run_options.terminate = True    # what the gate does to a step in flight when a newcomer comes
+            return call(run_options)
+        return real_step(first_try_stopped)
+
+    monkeypatch.setattr(gate, "later_step", stopped_once)
+    before = gate.preempted
     chunks = list(pipeline.stream(engine.segments(TEXT)[0], options))
     assert len(chunks) >= 3 and len(calls) == steps * (len(chunks) - 1)
+    assert gate.preempted - before == len(chunks) - 1
+    assert len(chunks) == len(undisturbed)
+    for got, want in zip(chunks, undisturbed):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_stream_shorter_than_its_first_hop_is_not_paused_by_its_own_turn(engine: Engine):

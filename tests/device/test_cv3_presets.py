@@ -31,9 +31,9 @@ class CountingSession:
     def __init__(self, inner: Any) -> None:
         self.inner, self.row_frames = inner, 0
 
-    def run(self, names: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def run(self, names: Any, feeds: dict[str, np.ndarray], *options: Any) -> list[np.ndarray]:
         self.row_frames += int(feeds["x"].shape[0] * feeds["x"].shape[2])
-        return self.inner.run(names, feeds)
+        return self.inner.run(names, feeds, *options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -21,6 +21,7 @@ PROBE = r"""
 import json, sys
 from pathlib import Path
 import numpy as np
+import onnxruntime as ort
 from cosyedge.device.sessions import SessionConfig
 
 def rss():
@@ -31,8 +32,9 @@ rng = np.random.default_rng(0)
 loaded = rss()
 after = []
 for frames in (3000, 2000, 3200):
+    own = [ort.RunOptions()] if sys.argv[3] == "own-options" else []   # a caller's run options (a stream's steps)
     session.run(None, {"mel": rng.standard_normal((1, 80, frames)).astype(np.float32),
-                       "source": rng.standard_normal((1, 1, frames * 480)).astype(np.float32)})
+                       "source": rng.standard_normal((1, 1, frames * 480)).astype(np.float32)}, *own)
     after.append(rss() - loaded)
 print(json.dumps({"type": type(session).__name__, "growth_mb": after}))
 """
@@ -63,8 +65,8 @@ print(json.dumps({"held_mb": held, "after_mb": rss() - loaded}))
 """
 
 
-def _probe(graph: Path, arena: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE, str(graph), arena], capture_output=True, text=True,
+def _probe(graph: Path, arena: str, options: str = "default-options") -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(graph), arena, options], capture_output=True, text=True,
                          timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -73,10 +75,12 @@ def test_flow_and_hift_sessions_give_their_activations_back(cv2_tiny_bundle):
     bundle = Bundle.load(cv2_tiny_bundle)
     hift = bundle.path(bundle.component("hift_decoder", "fp32").file)
     keep, shrink = _probe(hift, "keep"), _probe(hift, "shrink")
+    own = _probe(hift, "shrink", "own-options")     # calls with the caller's run options (ChunkGate.later_step's)
     assert (keep["type"], shrink["type"]) == ("InferenceSession", "ShrinkingSession")
     # the kept arena holds the largest call (tens of MB at 32 s of audio); the shrunk one gives nearly all back
     assert keep["growth_mb"][-1] >= 30, keep
     assert shrink["growth_mb"][-1] <= keep["growth_mb"][-1] / 2, (shrink, keep)     # measured 39 vs 113 MB
+    assert own["growth_mb"][-1] <= keep["growth_mb"][-1] / 2, (own, keep)
 
 
 def test_only_flow_hift_and_llm_graphs_shrink(cv2_tiny_bundle):
