@@ -74,15 +74,17 @@ class _TorchFlow:
     clock: StageClock
 
     def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
-            preset: object = None, start: int = 0, pause: Callable[[], None] | None = None) -> np.ndarray:
-        """The official recipe only: no flow preset, no bounded re-solve. `pause` (the gate's yield of a later
-        chunk) is called once before the solve: the official module's Euler loop has no hook between steps."""
+            preset: object = None, start: int = 0, run_step: Callable[..., Any] | None = None) -> np.ndarray:
+        """The official recipe only: no flow preset, no bounded re-solve. `run_step` (the gate's turn for a later
+        chunk's estimator steps) runs the whole solve as one step: the official module's Euler loop has no hook
+        between steps, and a torch call cannot be stopped midway (the run options it is handed go unread)."""
         if preset is not None or start:
             raise ValueError("the PyTorch reference runs the official flow recipe only")
-        if pause is not None:
-            pause()
-        with self.clock.timed("flow"):
-            return self._mel(prompt, tokens, finalize, streaming)
+
+        def solve(_options: object) -> np.ndarray:
+            with self.clock.timed("flow"):
+                return self._mel(prompt, tokens, finalize, streaming)
+        return solve(None) if run_step is None else run_step(solve)
 
     def mels(self, prompts: Sequence[FlowPrompt], token_rows: Sequence[np.ndarray], preset: object = None,
              streaming: bool = False) -> list[np.ndarray]:

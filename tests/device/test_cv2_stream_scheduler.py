@@ -155,7 +155,7 @@ def test_off_a_cpu_only_first_chunks_hold_the_decoder() -> None:
 
 def test_a_newcomer_arriving_during_a_later_chunk_releases_the_held_decode_loop() -> None:
     """The decode loop already waiting for a later chunk's turn (CPU) goes on as soon as a new stream starts to
-    wait for its first tokens, not when that turn ends: a later chunk paused for the newcomer (`yield_to_first`)
+    wait for its first tokens, not when that turn ends: a later chunk paused for the newcomer (`later_step`)
     would otherwise never end (the deadlock `bench-api` x4 ran into before the newcomer's count notified)."""
     gate, stepped = ChunkGate(decode_yields_always=True, first_beside=True), []
     with gate.turn(1, 0.0):
@@ -274,7 +274,7 @@ def test_a_later_chunks_flow_runs_every_estimator_step_through_its_turn(engine: 
 
 def test_a_stream_shorter_than_its_first_hop_is_not_paused_by_its_own_turn(engine: Engine):
     """A segment that ends before its first hop goes straight to its final chunk, whose turn counts as a first
-    chunk's; its flow must not wait in `yield_to_first` for that turn to end (it did: the stream hung). Run in a
+    chunk's; its flow must not wait in `later_step` for that turn to end (it did: the stream hung). Run in a
     thread so that a regression fails here instead of hanging the suite."""
     options = pinned(engine.options(voice=VOICE, seed=3, sampling="greedy"), 10)   # under 25 + 3 tokens
     chunks: list = []
