@@ -230,15 +230,16 @@ class Flow:
         plain = {"mask": mask, "mu": mu, "spks": spks, "cond": cond, "streaming": guided["streaming"]}
 
         def estimate(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-            def call(options: ort.RunOptions | None) -> list[np.ndarray]:
-                return self._estimator.run(outputs, feeds, options)
-            return self._estimator.run(outputs, feeds) if run_step is None else run_step(call)
+            if run_step is None:
+                return self._estimator.run(outputs, feeds)
+            return run_step(lambda options: self._estimator.run(outputs, feeds, options))
 
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, preset.steps + 1):
             state = _past_feeds(past, step - 1, step <= preset.cfg_steps, self._int8_feed) | extra
             if step <= preset.cfg_steps:
-                v, *kept = estimate(guided | state | {"x": np.concatenate([x, x]), "t": np.full(2 * rows, t, np.float32)})
+                v, *kept = estimate(guided | state | {"x": np.concatenate([x, x]),
+                                                      "t": np.full(2 * rows, t, np.float32)})
                 x = x + dt * ((1 + rate) * v[:rows] - rate * v[rows:])
             else:
                 v, *kept = estimate(plain | state | {"x": x, "t": np.full(rows, t, np.float32)})

@@ -22,12 +22,13 @@ import onnxruntime as ort
 # grows with its input: 0.27 MB per mel frame at 0.5B (the int8 decoder, 2 threads: +134 MB over a 10 s call, +29 MB
 # over 2 s), from its full-rate activations and convolution buffers. Its receptive field is under 16 mel frames (conv_pre
 # reaches 3 frames, the first upsampling stage's dilated resblocks 7.5, the later stages 2 more): with 16 frames of
-# context either side a window's samples equal one whole call's bit for bit (fp32 and int8 decoders at full size, 500
-# and 700 frames; the tiny release's test below; 12 frames differ by 6e-4), so 16 it is: a 10 s segment goes in 4
-# windows of 125 frames and decodes 1.19x its frames (24 frames: 1.29x; the full-size int8 decoder, 2 threads, 500
-# frames, 5 alternated runs: 1.25 s against 1.34 s). 150 frames = 3 s. A 10 s render at full size (int8 decoder,
-# 2 threads, random weights, 24 frames of context): 250 frames, +100 MB over the engine and 1.25 s; 150, +57 MB and
-# 1.40-1.45 s (under the flow encoder's +77 MB, the stream-off request's next peak); 100, +49 MB and 1.58 s.
+# context either side a window's samples equal one whole call's bit for bit (fp32 and int8 decoders at full size, the
+# int8 one again at 500 and 700 frames; the tiny release in test_cv2_pipeline.py; 12 frames differ by 6e-4), so 16 it
+# is: a 10 s segment goes in 4 windows of 125 frames and decodes 1.19x its frames (24 frames: 1.29x; the full-size int8
+# decoder, 2 threads, 500 frames, 5 alternated runs: 1.25 s against 1.34 s). 150 frames = 3 s. A 10 s render at full
+# size (int8 decoder, 2 threads, random weights, 24 frames of context): 250 frames, +100 MB over the engine and 1.25 s;
+# 150, +57 MB and 1.40-1.45 s (under the flow encoder's +77 MB, the stream-off request's next peak); 100, +49 MB and
+# 1.58 s.
 WINDOW_FRAMES = 150
 CONTEXT_FRAMES = 16
 
