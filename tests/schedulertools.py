@@ -130,3 +130,25 @@ def assert_first_chunks_share_one_flow_call(engine: Engine, monkeypatch, jobs: S
     assert sorted(len(rows) for rows in batches) == rows_per_call
     for a, b in zip(alone, together):
         assert len(a) == len(b) > 1 and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def stop_every_later_call_once(monkeypatch, pipeline) -> list[int]:
+    """Patch the pipeline's chunk gate so that every graph call of a later chunk (`ChunkGate.later_step`) is stopped
+    at its first try, as the gate stops one in flight when a newcomer comes (ONNX Runtime's terminate flag), and
+    runs again; the returned list gets one entry per call. The stream must give the audio it gives undisturbed."""
+    gate, calls = pipeline._chunk_gate, []
+    real_step = gate.later_step
+
+    def stopped_once(call):
+        calls.append(len(calls))
+        tries = []
+
+        def first_try_stopped(run_options):
+            tries.append(True)
+            if len(tries) == 1:
+                run_options.terminate = True
+            return call(run_options)
+        return real_step(first_try_stopped)
+
+    monkeypatch.setattr(gate, "later_step", stopped_once)
+    return calls

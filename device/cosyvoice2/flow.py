@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 import onnx
@@ -20,8 +20,14 @@ from cosyedge.device.cosyvoice2.presets import OFFICIAL, Preset
 from cosyedge.device.cosyvoice2.prompt_cache import Int8Hidden, PromptCache, PromptState, frames_within, prompt_key
 from cosyedge.device.errors import InputError
 
-# Runs one estimator call, given as a function of the run options to use (streaming.ChunkGate.later_step).
-StepRunner = Callable[[Callable[[ort.RunOptions | None], list[np.ndarray]]], list[np.ndarray]]
+T = TypeVar("T")
+
+
+class StepRunner(Protocol):
+    """Runs one graph call of a stream's later chunk, given as a function of the run options to use (the flow's
+    encoder call and estimator steps, the vocoder's decoder calls): `streaming.ChunkGate.later_step`."""
+
+    def __call__(self, call: Callable[[ort.RunOptions | None], T]) -> T: ...
 
 
 @dataclass(frozen=True)
@@ -114,9 +120,10 @@ class Flow:
         finalize=False: the last `pre_lookahead_len` tokens are look-ahead context only and produce no mel.
         start > 0 (a preset's bounded streaming re-solve): tokens[:start] are left out of the flow's context; the
         noise of every frame is still the one at its position in the whole utterance. `run_step` (a stream's later
-        chunk: `ChunkGate.later_step`) runs each estimator step; it may wait, and stop a step and run it again.
+        chunk: `ChunkGate.later_step`) runs the encoder call and each estimator step; it may wait, and stop a call
+        and run it again.
         """
-        mu, spks, cond = self._condition(prompt, tokens[start:], finalize, streaming)
+        mu, spks, cond = self._condition(prompt, tokens[start:], finalize, streaming, run_step)
         skip = self.config.token_mel_ratio * start
         past = self.prompt_state(prompt, preset) if streaming and not finalize else None
         done = past.frames if past else 0
@@ -171,16 +178,19 @@ class Flow:
             self._cache.put(key, state)
         return state
 
-    def _condition(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Encoder outputs (mu [1, M, T], spks [1, M]) and the prompt-mel condition cond [1, M, T]."""
+    def _condition(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
+                   run_step: StepRunner | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Encoder outputs (mu [1, M, T], spks [1, M]) and the prompt-mel condition cond [1, M, T]; `run_step` as
+        in `mel` (a later chunk's encoder call re-reads its whole history: 0.1-0.6 s at full size on 2 cores)."""
         c = self.config
         parts = [prompt.tokens.reshape(-1), np.asarray(tokens, np.int64).reshape(-1)]
         if finalize:
             parts.append(np.zeros(c.pre_lookahead_len, np.int64))  # placeholders: the graph zero-pads
         token = np.concatenate(parts).astype(np.int64)[None]
-        mu, spks = self._encoder.run(None, {"token": token, "embedding": prompt.embedding.reshape(1, -1),
-                                            "finalize": _flag(finalize), "streaming": _flag(streaming)})
+        feeds = {"token": token, "embedding": prompt.embedding.reshape(1, -1), "finalize": _flag(finalize),
+                 "streaming": _flag(streaming)}
+        mu, spks = self._encoder.run(None, feeds) if run_step is None else \
+            run_step(lambda options: self._encoder.run(None, feeds, options))
         frames = mu.shape[2]
         if frames > self._noise.shape[2]:
             raise InputError(f"the utterance needs {frames} mel frames; the flow supports at most "

@@ -38,7 +38,7 @@ from cosyedge.device.cosyvoice2.parts import FamilyParts, PartsBuilder
 from cosyedge.device.cosyvoice2.presets import Preset, bundle_presets
 from cosyedge.device.cosyvoice2.prompt_cache import PromptCache
 from cosyedge.device.cosyvoice2.scheduler import DecodeScheduler, Prefix
-from cosyedge.device.cosyvoice2.streaming import ChunkGate, stream_tokens
+from cosyedge.device.cosyvoice2.streaming import ChunkGate, first_chunk_tokens, stream_tokens
 from cosyedge.device.cosyvoice2.voices import ModeInputs, Voice
 from cosyedge.device.errors import (BundleError, Cancelled, EmptyTextError, FixedVoicesError, InputError,
                                     InvalidVoiceError, UnknownVoiceError)
@@ -355,8 +355,9 @@ class CosyVoicePipeline(Pipeline):
         receives the prefill's cache (the word-timing pass)."""
         seeds = np.random.SeedSequence(request.seed)
         noise = None if request.deterministic else np.random.default_rng(seeds.spawn(1)[0])
+        first = first_chunk_tokens(len(inputs.flow.tokens), self._schedule, self._preset(request))
         tokens: Iterable[int] = self._tokens(segment, inputs, request, np.random.default_rng(seeds), batch_max, stop,
-                                             prefix)
+                                             prefix, urgent_tokens=first)
         if stop is not None:
             tokens = _until(tokens, stop)
         yield from self.stream_tokens(tap(tokens) if tap else tokens, request, noise)
@@ -454,10 +455,12 @@ class CosyVoicePipeline(Pipeline):
 
     def _tokens(self, segment: Segment, inputs: ModeInputs, request: SynthesisOptions, rng: np.random.Generator,
                 batch_max: int = DECODE_ROWS, stop: threading.Event | None = None,
-                prefix: Prefix | None = None) -> Iterator[int]:
+                prefix: Prefix | None = None, urgent_tokens: int = 0) -> Iterator[int]:
+        """The segment's tokens from the decode loop; `urgent_tokens`: a stream's tokens before its first chunk,
+        which the loop decodes ahead of other rows."""
         lm_input = self._lm_input(segment, inputs)
         return self._decoder.stream(lm_input, len(segment.ids), request.sampling == "greedy", rng, pinned_tokens(request),
-                                    batch_max, stop, prefix)
+                                    batch_max, stop, prefix, urgent_tokens)
 
     def _mode_inputs(self, request: SynthesisOptions) -> ModeInputs:
         voice = self._voice(request.voice)

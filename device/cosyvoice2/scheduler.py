@@ -13,6 +13,11 @@ queue as they are chosen. The worker loop:
   2. prefill the new groups in one left-padded call and choose their first tokens;
   3. when rows joined or left, rebuild the batch cache once (`SpeechLM.merge_caches`);
   4. one decode step for all rows, then each row chooses its next token with its own sampler state.
+While some row is *urgent* (a stream's row before the tokens of its first chunk: the group's `urgent_tokens`), the
+step runs the urgent rows alone and the others wait, their cache set aside whole (no copy); they rejoin, one merge,
+when no row is urgent. Why: a newcomer's first audio waits for those tokens, and a step's cost grows with its rows
+and their histories (full-size CosyVoice2 cpu-int4, 2 threads: one 60-position row 8-9 ms a step; beside three rows
+of 400-800 positions 20-22 ms), while the other streams' listeners already have audio.
 Before a step the loop waits while chunk work it yields to is in the flow or HiFT (`before_step`, the pipeline's
 `ChunkGate.before_decode_step`: a first chunk's, and on a CPU any chunk's), which then has the cores to itself.
 
@@ -64,6 +69,11 @@ class _Row:
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     done: bool = False
     prefix: Prefix | None = None
+    urgent_tokens: int = 0  # the row is urgent until it has this many tokens (the module docstring)
+
+    @property
+    def urgent(self) -> bool:
+        return not self.done and len(self.history) < self.urgent_tokens
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done:
@@ -76,14 +86,15 @@ class DecodeGroup:
 
     def __init__(self, lm_inputs: Sequence[np.ndarray], limits: Sequence[tuple[int, int]], greedy: bool,
                  rng: np.random.Generator, pinned: bool, max_rows: int | None = None,
-                 stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None) -> None:
+                 stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None,
+                 urgent_tokens: int = 0) -> None:
         self.greedy = greedy
         self.rng = rng
         self.pinned = pinned
         self.max_rows = max_rows  # rows of the batch this group may join (None: the scheduler's bound)
         self.stop = stop  # set by the request's owner (a client went away): the rows leave, the reader gets Cancelled
         self.cancelled = False
-        self.rows = [_Row(self, x, lo, hi) for x, (lo, hi) in zip(lm_inputs, limits)]
+        self.rows = [_Row(self, x, lo, hi, urgent_tokens=urgent_tokens) for x, (lo, hi) in zip(lm_inputs, limits)]
         for row, prefix in zip(self.rows, prefixes or ()):
             row.prefix = prefix
 
@@ -120,6 +131,9 @@ class DecodeScheduler:
         self._thread: threading.Thread | None = None
         self._rows: list[_Row] = []  # the running batch, in cache row order (worker thread only)
         self._cache: KVCache | None = None
+        self._parked: list[_Row] = []  # rows set aside while others are urgent, in their cache's row order
+        self._parked_cache: KVCache | None = None
+        self._parked_steps = 0
         self._steps = 0
         self._prefills = 0
         self._tokens = 0
@@ -132,20 +146,22 @@ class DecodeScheduler:
     # -- request threads ---------------------------------------------------------------------
     def submit(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
                rng: np.random.Generator, pin: int | None = None, max_rows: int | None = None,
-               stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None) -> DecodeGroup:
+               stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None,
+               urgent_tokens: int = 0) -> DecodeGroup:
         """Queue prompts [1, L, H] that decode together under one Generator; returns at once. `pin` = exactly
         that many tokens per row (benchmarks); `max_rows` bounds the batch the group joins; `stop` withdraws it;
-        `prefixes[i]` receives row i's prefill cache."""
-        group = self.group(lm_inputs, n_text_tokens, greedy, rng, pin, max_rows, stop, prefixes)
+        `prefixes[i]` receives row i's prefill cache; its rows are urgent until they have `urgent_tokens`."""
+        group = self.group(lm_inputs, n_text_tokens, greedy, rng, pin, max_rows, stop, prefixes, urgent_tokens)
         self.enqueue([group])
         return group
 
     def group(self, lm_inputs: Sequence[np.ndarray], n_text_tokens: Sequence[int], greedy: bool,
               rng: np.random.Generator, pin: int | None = None, max_rows: int | None = None,
-              stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None) -> DecodeGroup:
+              stop: threading.Event | None = None, prefixes: Sequence[Prefix | None] | None = None,
+              urgent_tokens: int = 0) -> DecodeGroup:
         """A group for `enqueue` (the arguments of `submit`), not yet queued."""
         limits = [self._lm.config.min_max_len(n, pin) for n in n_text_tokens]
-        return DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None, max_rows, stop, prefixes)
+        return DecodeGroup(lm_inputs, limits, greedy, rng, pin is not None, max_rows, stop, prefixes, urgent_tokens)
 
     def enqueue(self, groups: Sequence[DecodeGroup]) -> None:
         """Queue groups at once, so that requests that arrived together are prefilled together."""
@@ -158,10 +174,11 @@ class DecodeScheduler:
 
     def stream(self, lm_input: np.ndarray, n_text_tokens: int, greedy: bool, rng: np.random.Generator,
                pin: int | None = None, max_rows: int | None = None,
-               stop: threading.Event | None = None, prefix: Prefix | None = None) -> Iterator[int]:
+               stop: threading.Event | None = None, prefix: Prefix | None = None,
+               urgent_tokens: int = 0) -> Iterator[int]:
         """One prompt's tokens as they are chosen; closing the iterator early, or setting `stop`, withdraws the
-        row before the next decode step."""
-        group = self.submit([lm_input], [n_text_tokens], greedy, rng, pin, max_rows, stop, [prefix])
+        row before the next decode step. `urgent_tokens`: a stream's tokens before its first chunk."""
+        group = self.submit([lm_input], [n_text_tokens], greedy, rng, pin, max_rows, stop, [prefix], urgent_tokens)
         try:
             yield from group.tokens(0)
         finally:
@@ -182,9 +199,10 @@ class DecodeScheduler:
             return {"decode_steps": steps, "prefill_calls": self._prefills, "tokens": self._tokens,
                     "rows_per_step": hist, "mean_rows": (sum(k * v for k, v in hist.items()) / steps) if steps else 0.0,
                     "joined_running": self._joined_running, "cache_rebuilds": self._rebuilds,
-                    "cancelled_rows": self._cancelled_rows,
+                    "cancelled_rows": self._cancelled_rows, "parked_steps": self._parked_steps,
                     "seconds": {k: round(v, 6) for k, v in self._seconds.items()},
-                    "active_rows": sum(not row.done for row in self._rows), "waiting_groups": len(self._waiting),
+                    "active_rows": sum(not row.done for row in self._rows + self._parked),
+                    "waiting_groups": len(self._waiting),
                     "max_rows": self.max_rows}
 
     # -- worker ------------------------------------------------------------------------------
@@ -196,23 +214,23 @@ class DecodeScheduler:
                 self._step(joining)
             except Exception as exc:  # noqa: BLE001 - fail the rows in flight, keep serving others
                 log.exception("LLM decode step failed")
-                for row in self._rows + [r for g in joining for r in g.rows]:
+                for row in self._rows + self._parked + [r for g in joining for r in g.rows]:
                     row.finish(exc)
-                self._rows, self._cache = [], None
+                self._rows, self._cache, self._parked, self._parked_cache = [], None, [], None
 
     def _admit(self) -> list[DecodeGroup]:
         """Groups that join now (blocks while nothing runs); cancelled rows of the batch are stopped."""
         with self._cond:
-            while not self._waiting and not self._rows:
+            while not self._waiting and not self._rows and not self._parked:
                 self._cond.wait()
-            for row in self._rows:
+            for row in self._rows + self._parked:
                 if not row.done and row.group.stopped():
                     self._withdraw(row)
             for group in [g for g in self._waiting if g.stopped()]:
                 self._waiting.remove(group)
                 for row in group.rows:
                     self._withdraw(row)
-            used = sum(not row.done for row in self._rows)
+            used = sum(not row.done for row in self._rows + self._parked)
             joining: list[DecodeGroup] = []
             while self._waiting:
                 group = self._waiting[0]
@@ -231,8 +249,12 @@ class DecodeScheduler:
             row.finish(Cancelled("the request was withdrawn") if row.group.stop is not None else None)
 
     def _step(self, joining: list[DecodeGroup]) -> None:
+        parts: list[tuple[KVCache, list[_Row]]] = []  # every cache and the row at each of its positions
+        if self._cache is not None:
+            parts.append((self._cache, self._rows))
+        if self._parked_cache is not None:
+            parts.append((self._parked_cache, self._parked))
         new_rows = [row for group in joining for row in group.rows]
-        parts: list[tuple[KVCache, list[int]]] = []
         if new_rows:
             began = time.perf_counter()
             logits, cache = self._lm.prefill([row.lm_input for row in new_rows])
@@ -243,35 +265,43 @@ class DecodeScheduler:
             self._choose(new_rows, logits)
             with self._cond:
                 self._prefills += 1
-                self._joined_running += len(new_rows) if any(not row.done for row in self._rows) else 0
+                self._joined_running += len(new_rows) if any(not r.done for _, rows in parts for r in rows) else 0
                 self._seconds["prefill"] += time.perf_counter() - began
-            keep = [i for i, row in enumerate(new_rows) if not row.done]
-            if keep:
-                parts.append((cache, keep))
-        running = [i for i, row in enumerate(self._rows) if not row.done]
-        if self._cache is not None and running:
-            parts.insert(0, (self._cache, running))
-        rows = [self._rows[i] for i in running] + [r for r in new_rows if not r.done]
+            parts.append((cache, new_rows))
+        live = [row for _, rows in parts for row in rows if not row.done]
+        urgent = [row for row in live if row.urgent]
+        rows = urgent or live
+        parked = [row for row in live if not row.urgent] if urgent else []
         if not rows:
-            self._rows, self._cache = [], None
+            self._rows, self._cache, self._parked, self._parked_cache = [], None, [], None
             return
-        if len(parts) == 1 and len(parts[0][1]) == len(parts[0][0].lengths):
-            cache = parts[0][0]  # nobody joined or left: the graph's own output is the next input
-        else:
-            began = time.perf_counter()
-            cache = self._lm.merge_caches(parts)
-            with self._cond:
-                self._rebuilds += 1
-                self._seconds["rebuild"] += time.perf_counter() - began
+        cache = self._assemble(parts, rows)
+        parked_cache = self._assemble(parts, parked) if parked else None
         began = time.perf_counter()
         fed = np.array([row.history[-1] for row in rows], np.int64)
         logits, cache = self._lm.decode(fed, cache)
         self._choose(rows, logits)
         with self._cond:
-            self._rows, self._cache = rows, cache
+            self._rows, self._cache, self._parked, self._parked_cache = rows, cache, parked, parked_cache
             self._steps += 1
+            self._parked_steps += bool(parked)
             self._rows_per_step[len(rows)] += 1
             self._seconds["decode"] += time.perf_counter() - began
+
+    def _assemble(self, parts: list[tuple[KVCache, list[_Row]]], rows: list[_Row]) -> KVCache:
+        """One cache of `rows` in their order (taken from `parts` in order): a part's own cache where it holds
+        exactly them (nobody joined, left, or was set aside: the graph's output is the next input), else merged."""
+        for cache, held in parts:
+            if len(held) == len(rows) and all(a is b for a, b in zip(held, rows)):
+                return cache
+        began = time.perf_counter()
+        wanted = {id(row) for row in rows}
+        cache = self._lm.merge_caches([(cache, [i for i, row in enumerate(held) if id(row) in wanted])
+                                       for cache, held in parts if any(id(row) in wanted for row in held)])
+        with self._cond:
+            self._rebuilds += 1
+            self._seconds["rebuild"] += time.perf_counter() - began
+        return cache
 
     def _choose(self, rows: list[_Row], logits: np.ndarray) -> None:
         """Each row's next token (step index = tokens so far) from its logits row, in batch order: a group's rows

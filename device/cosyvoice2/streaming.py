@@ -24,12 +24,13 @@ it waits for every chunk's work (`decode_yields_always`) unless a stream still w
 (`awaiting_first`, so a newcomer's first audio is not held behind others' later chunks): decode steps and chunk work
 then take turns, each with all the cores, instead of running at once on oversubscribed cores (2 cores, full-size
 CosyVoice2 cpu, each session 2 threads: a decode step beside a looping estimator call took 37-47 ms against 14.5 ms
-alone, and the estimator ran 0.71-0.97 calls/s against 2.2 alone). For the same reason a later chunk's estimator
-steps give way while a stream waits for its first tokens or a first chunk's work runs (`later_step`): a step waits
-before it starts, and a step already running is stopped (ONNX Runtime's `RunOptions.terminate`, checked between
-nodes) and runs again afterwards with the same inputs, so the newcomer's prefill, first tokens and first chunk get
-the cores at once instead of sharing them with the rest of a re-solve's step (up to a second on a small CPU).
-A stream's decoder runs ahead only while its consumer waits for tokens, so it still interleaves with the chunks.
+alone, and the estimator ran 0.71-0.97 calls/s against 2.2 alone). For the same reason a later chunk's graph calls
+(the flow's encoder call and estimator steps, HiFT's decoder calls) give way while a stream waits for its first
+tokens or a first chunk's work runs (`later_step`): a step waits before it starts, and a step already running is
+stopped (ONNX Runtime's `RunOptions.terminate`, checked between nodes) and runs again afterwards with the same
+inputs, so the newcomer's prefill, first tokens and first chunk get the cores at once instead of sharing them with
+the rest of a re-solve's step (up to a second on a small CPU). A stream's decoder runs ahead only while its consumer
+waits for tokens, so it still interleaves with the chunks.
 
 First chunks together (`ChunkGate.first_mel`): the stream whose first chunk gets the turn solves, in one flow call,
 the first chunks of every stream waiting then with the same preset and the same lengths (at most `first_batch`);
@@ -54,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, runtime
 import numpy as np
 import onnxruntime as ort
 
-from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt
+from cosyedge.device.cosyvoice2.flow import Flow, FlowPrompt, StepRunner
 from cosyedge.device.cosyvoice2.presets import Preset
 
 T = TypeVar("T")
@@ -89,7 +90,9 @@ class KeepAll:
 class ChunkVocoder(Protocol):
     """The HiFT state of ONE streaming request (never shared): each chunk's new mel in, the samples to emit out."""
 
-    def chunk(self, mel: np.ndarray, final: bool) -> np.ndarray: ...
+    def chunk(self, mel: np.ndarray, final: bool, run_step: StepRunner | None = None) -> np.ndarray:
+        """`run_step` (a later chunk's: `ChunkGate.later_step`) runs the costly graph calls; it may wait, and stop a
+        call and run it again with the same inputs (so a call it runs must not draw from the request's rng)."""
 
 
 class ChunkSchedule:
@@ -117,6 +120,12 @@ class ChunkSchedule:
     def advance(self) -> None:
         self.offset += self.hop
         self._index += 1
+
+
+def first_chunk_tokens(prompt_tokens: int, config: ScheduleConfig, preset: Preset | None) -> int:
+    """The tokens a stream needs for its first chunk (its first hop and the look-ahead; a family's token filter
+    may drop some, so the stream may need a few more)."""
+    return ChunkSchedule(prompt_tokens, config, preset.first_hop_pad if preset else True).hop + config.lookahead
 
 
 @dataclass(eq=False)
@@ -164,7 +173,7 @@ class ChunkGate:
         self._awaiting_first = 0  # streams that have not emitted a chunk yet (`awaiting_first`)
         self._first_batch = first_batch
         self._firsts: list[FirstChunk] = []  # first chunks waiting for their flow call
-        self._steps: set[ort.RunOptions] = set()  # options of the later chunks' estimator steps in flight
+        self._steps: set[ort.RunOptions] = set()  # options of the later chunks' graph calls in flight
         self.preempted = 0  # later steps stopped midway for a first chunk (tests, profiles)
 
     def _may_start(self, emitted: int) -> bool:
@@ -265,17 +274,18 @@ class ChunkGate:
         return self._awaiting_first > 0 or self._first_running > 0
 
     def _preempt(self) -> None:
-        """Stop the later chunks' estimator steps in flight, where the decoder yields always (caller holds the lock)."""
+        """Stop the later chunks' graph calls in flight, where the decoder yields always (caller holds the lock)."""
         for options in self._steps:
             options.terminate = True
 
     def later_step(self, call: Callable[[ort.RunOptions | None], T]) -> T:
-        """One estimator step of a later chunk: `call` runs the graph with the run options given. Where the decoder
-        yields always (CPU), the step waits while a first chunk is pending (a stream waits for its first tokens, or
-        a first chunk's work runs), and a step in flight when one becomes pending is stopped and runs again once it
-        is not. Why: an official later chunk re-solves its whole history (a second a step on a small CPU), and a
-        newcomer's prefill, first tokens and first chunk beside it ran on oversubscribed cores. No wait elsewhere:
-        the decode loop runs while a stream awaits first tokens, and a first chunk may start beside the held turn
+        """One graph call of a later chunk (the flow's encoder call or an estimator step, a HiFT decoder call):
+        `call` runs the graph with the run options given. Where the decoder yields always (CPU), the step waits
+        while a first chunk is pending (a stream waits for its first tokens, or a first chunk's work runs), and
+        a step in flight when one becomes pending is stopped and runs again once it is not. Why: an official
+        later chunk re-solves its whole history (a second a step on a small CPU), and a newcomer's prefill,
+        first tokens and first chunk beside it ran on oversubscribed cores. No wait elsewhere: the decode loop
+        runs while a stream awaits first tokens, and a first chunk may start beside the held turn
         (`first_beside`)."""
         if not self._decode_yields_always:
             return call(None)
@@ -340,15 +350,16 @@ def stream_tokens(tokens: Iterable[int], prompt: FlowPrompt, flow: Flow, vocoder
                 with gate.turn(emitted, began):
                     mel = flow.mel(prompt, np.asarray(got[:size], np.int64), False, True, preset, start,
                                    run_step=gate.later_step)
-                    chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False)
+                    chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=False,
+                                          run_step=gate.later_step)
             emitted += 1
             yield chunk
             schedule.advance()
     if not got:
         return
     start = preset.window_start(schedule.offset, schedule_config.hops[0]) if preset else 0
-    with gate.turn(emitted, began):     # no chunk yet: this turn is a first chunk's, which nothing pauses
-        mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start,
-                       run_step=gate.later_step if emitted else None)
-        chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True)
+    run_step = gate.later_step if emitted else None     # no chunk yet: this turn is a first chunk's, never paused
+    with gate.turn(emitted, began):
+        mel = flow.mel(prompt, np.asarray(got, np.int64), True, False, preset, start, run_step=run_step)
+        chunk = vocoder.chunk(mel[:, :, ratio * (schedule.offset - start):], final=True, run_step=run_step)
     yield chunk

@@ -17,6 +17,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import onnxruntime as ort
 
+from cosyedge.device.cosyvoice2.flow import StepRunner
+
 
 # HiFT decoding in windows (`decode_bounded`: a whole mel, or a stream chunk longer than a window). The decoder's memory
 # grows with its input: 0.27 MB per mel frame at 0.5B (the int8 decoder, 2 threads: +134 MB over a 10 s call, +29 MB
@@ -78,7 +80,7 @@ class HiftStages(Protocol):
 
     def source(self, mel: np.ndarray, rng: np.random.Generator | None) -> np.ndarray: ...
 
-    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray: ...
+    def decode(self, mel: np.ndarray, source: np.ndarray, options: ort.RunOptions | None = None) -> np.ndarray: ...
 
 
 class Vocoder:
@@ -99,8 +101,8 @@ class Vocoder:
         source, _f0 = self._source.run(None, {"mel": mel, "noise": noise})
         return source
 
-    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray:
-        (speech,) = self._decoder.run(None, {"mel": mel, "source": source})
+    def decode(self, mel: np.ndarray, source: np.ndarray, options: ort.RunOptions | None = None) -> np.ndarray:
+        (speech,) = self._decoder.run(None, {"mel": mel, "source": source}, options)
         return speech
 
     def render(self, mel: np.ndarray, noise: np.random.Generator | None) -> np.ndarray:
@@ -131,8 +133,9 @@ class VocoderStream:
         self._source: np.ndarray | None = None
         self._speech: np.ndarray | None = None
 
-    def chunk(self, mel: np.ndarray, final: bool) -> np.ndarray:
-        """The waveform to emit for this chunk's new mel [1, M, F]."""
+    def chunk(self, mel: np.ndarray, final: bool, run_step: StepRunner | None = None) -> np.ndarray:
+        """The waveform to emit for this chunk's new mel [1, M, F]; `run_step` runs each decoder call (the
+        source call, 0.01-0.02 s, draws the request's noise and runs as it is)."""
         c = self._config
         if self._mel is not None:
             mel = np.concatenate([self._mel, mel], axis=2)
@@ -140,10 +143,12 @@ class VocoderStream:
         source = self._vocoder.source(mel, self._rng)
         if self._source is not None:
             source[:, :, :self._source.shape[2]] = self._source
+        decode = self._vocoder.decode if run_step is None else \
+            lambda m, s: run_step(lambda options: self._vocoder.decode(m, s, options))
         if self._windows_of is None:
-            speech = self._vocoder.decode(mel, source)
+            speech = decode(mel, source)
         else:
-            speech = decode_bounded(self._vocoder.decode, mel, source, self._windows_of)[None]
+            speech = decode_bounded(decode, mel, source, self._windows_of)[None]
         if self._speech is not None:
             overlap = c.crossfade_samples
             faded = speech[:, :overlap] * self._window[:overlap] + self._speech * self._window[overlap:]

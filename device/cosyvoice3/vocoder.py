@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
+from cosyedge.device.cosyvoice2.flow import StepRunner
 from cosyedge.device.cosyvoice2.vocoder import decode_in_windows
 from cosyedge.device.errors import BundleError, InputError
 
@@ -89,14 +90,20 @@ class Vocoder3:
         self._conv_pre_lookahead = conv_pre_lookahead
         self._history_frames = history_frames
 
-    def run(self, mel: np.ndarray, finalize: bool, start: int = 0) -> np.ndarray:
+    def run(self, mel: np.ndarray, finalize: bool, start: int = 0, run_step: StepRunner | None = None
+            ) -> np.ndarray:
         """[1, M, T] mel -> float32 waveform [T * U] (finalize) or [(T - f0_la - conv_la - 1) * U], from sample
         `start` * U on: the source runs on every frame (its phase accumulates from the first sample), the decoder
-        from mel frame `start` (what it gives before `start` + history_frames is not the whole run's)."""
+        from mel frame `start` (what it gives before `start` + history_frames is not the whole run's). `run_step`
+        (a stream's later chunk) runs both calls (the noise is fixed: a call run again gives the same)."""
+        def call(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+            return session.run(None, feeds) if run_step is None else \
+                run_step(lambda options: session.run(None, feeds, options))
+
         u = self.samples_per_frame
         mel = np.ascontiguousarray(mel, np.float32)
         frames = mel.shape[2]
-        source, _f0 = self._source.run(None, {"mel": mel, "sine_noise": self._noise.rows(frames * u)})
+        source, _f0 = call(self._source, {"mel": mel, "sine_noise": self._noise.rows(frames * u)})
         if not finalize:
             frames -= self._f0_lookahead
         if frames - start <= 0:
@@ -104,7 +111,7 @@ class Vocoder3:
         if start or not finalize:
             mel = np.ascontiguousarray(mel[:, :, start:frames])
             source = np.ascontiguousarray(source[:, :, start * u:frames * u])
-        (speech,) = self._decoder.run(None, {"mel": mel, "source": source})
+        (speech,) = call(self._decoder, {"mel": mel, "source": source})
         if not finalize:
             return speech[0, :max(frames - start - self._conv_pre_lookahead - 1, 0) * u]
         return speech[0]
@@ -131,7 +138,8 @@ class Vocoder3:
 class CausalHift(Protocol):
     """What a v3 stream calls (the runtime's `Vocoder3`, or the bench's torch reference)."""
 
-    def run(self, mel: np.ndarray, finalize: bool, start: int = 0) -> np.ndarray: ...
+    def run(self, mel: np.ndarray, finalize: bool, start: int = 0, run_step: StepRunner | None = None
+            ) -> np.ndarray: ...
 
 
 class RerunStream:
@@ -147,13 +155,14 @@ class RerunStream:
         self._mel: np.ndarray | None = None
         self._emitted = 0
 
-    def chunk(self, mel: np.ndarray, final: bool) -> np.ndarray:
-        """HiFT re-run on the mel so far (finalize on the last chunk); the samples not yet emitted."""
+    def chunk(self, mel: np.ndarray, final: bool, run_step: StepRunner | None = None) -> np.ndarray:
+        """HiFT re-run on the mel so far (finalize on the last chunk); the samples not yet emitted. `run_step`:
+        `ChunkVocoder.chunk`."""
         self._mel = mel if self._mel is None else np.concatenate([self._mel, mel], axis=2)
         start = 0
         if self._history_frames is not None:
             start = max(0, self._emitted // self._samples_per_frame - self._history_frames)
-        speech = self._vocoder.run(self._mel, final, start)
+        speech = self._vocoder.run(self._mel, final, start, run_step)
         first = start * self._samples_per_frame
         out = speech[self._emitted - first:]
         self._emitted = max(self._emitted, first + speech.shape[0])

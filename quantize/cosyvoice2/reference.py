@@ -118,7 +118,8 @@ class _TorchVocoder:
             source, _ = self.module.source(torch.as_tensor(mel), torch.as_tensor(noise))
         return source.numpy()
 
-    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray:
+    def decode(self, mel: np.ndarray, source: np.ndarray, options: object = None) -> np.ndarray:
+        """`options` (a later chunk's run options) is not used: a torch call cannot be stopped midway."""
         with self.clock.timed("hift"):
             return self.module.decode(torch.as_tensor(mel), torch.as_tensor(source)).numpy()
 

@@ -23,7 +23,7 @@ import torch
 
 from cosyedge.device.bench.clocks import StageClock
 from cosyedge.device.bench.worker import Settings
-from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
+from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig, StepRunner
 from cosyedge.device.cosyvoice2.sampling import SamplingConfig
 from cosyedge.device.cosyvoice2.streaming import ScheduleConfig, stream_tokens
 from cosyedge.device.cosyvoice3.frontend import SilentFilter, TextFrontend3
@@ -44,11 +44,16 @@ class _TorchVocoder3:
     module: CausalHiFTGenerator
     clock: StageClock
 
-    def run(self, mel: np.ndarray, finalize: bool, start: int = 0) -> np.ndarray:
-        """The official inference on all of `mel`; the samples from frame `start` on."""
-        with self.clock.timed("hift"):
-            speech, _, _ = self.module.inference(torch.as_tensor(np.ascontiguousarray(mel, np.float32)), finalize)
-        return speech[0, start * self.module.cfg.samples_per_frame:].numpy()
+    def run(self, mel: np.ndarray, finalize: bool, start: int = 0, run_step: StepRunner | None = None
+            ) -> np.ndarray:
+        """The official inference on all of `mel`; the samples from frame `start` on. `run_step` (the gate's turn
+        for a later chunk) runs the whole inference as one call: a torch call cannot be stopped midway."""
+        def infer(_options: object = None) -> np.ndarray:
+            with self.clock.timed("hift"):
+                speech, _, _ = self.module.inference(torch.as_tensor(np.ascontiguousarray(mel, np.float32)), finalize)
+            return speech[0, start * self.module.cfg.samples_per_frame:].numpy()
+
+        return infer() if run_step is None else run_step(infer)
 
 
 class ReferencePipeline3(ReferencePipeline):

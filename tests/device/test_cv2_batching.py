@@ -76,6 +76,13 @@ def test_tokens_and_audio_do_not_depend_on_the_batch(engine: Engine, monkeypatch
     assert np.array_equal(together[2], engine.synthesize_waveform(JOBS[2][0], **JOBS[2][1]))
 
 
+def _two_prompts(engine: Engine) -> list[tuple[np.ndarray, int]]:
+    """(LLM input, text tokens) of A (a zero-shot voice, sampled with seed 21) and B (the SFT voice, greedy)."""
+    a = _lm_inputs(engine, "收到好友从远方寄来的生日礼物。", engine.options(voice=ZH_VOICE, seed=21))
+    b = _lm_inputs(engine, JOBS[0][0], engine.options(voice=SFT_VOICE, sampling="greedy"))
+    return [(inputs[0], texts[0]) for inputs, texts in (a, b)]
+
+
 def test_concurrent_streams_share_decode_steps(engine: Engine) -> None:
     """Four threads streaming at once (greedy and seeded, noise on and off) get the chunks each gets alone."""
     assert_concurrent_streams_match_alone(engine, JOBS, timeout=120)
@@ -85,10 +92,7 @@ def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
     """B is submitted while A is mid-decode: it joins A's steps (the row count changes from 1 to 2 and back) and
     both get their solo tokens."""
     pipeline, lm = engine.pipeline, engine.pipeline._lm
-    req_a = engine.options(voice=ZH_VOICE, seed=21)
-    req_b = engine.options(voice=SFT_VOICE, sampling="greedy")
-    (a_input,), (a_text,) = _lm_inputs(engine, "收到好友从远方寄来的生日礼物。", req_a)
-    (b_input,), (b_text,) = _lm_inputs(engine, JOBS[0][0], req_b)
+    (a_input, a_text), (b_input, b_text) = _two_prompts(engine)
     solo_a = list(lm.tokens(a_input, a_text, False, np.random.default_rng(21), pin=400))
     solo_b = list(lm.tokens(b_input, b_text, True, np.random.default_rng(0)))
     before = pipeline._decoder.stats()
@@ -102,6 +106,52 @@ def test_request_joins_a_running_batch_and_leaves_it(engine: Engine) -> None:
     assert after["joined_running"] - before["joined_running"] == 1
     assert set(rows_per_step_delta(before, after)) == {1, 2}
     assert after["active_rows"] == 0 and after["waiting_groups"] == 0
+
+
+def test_an_urgent_row_decodes_alone_until_it_has_its_tokens_then_rejoins(engine: Engine) -> None:
+    """B is submitted urgent for its first 12 tokens while A is mid-decode: B's next 11 steps (its prefill chose
+    the first) run B alone with A set aside, then A rejoins in one merge; both get their solo tokens."""
+    pipeline, lm = engine.pipeline, engine.pipeline._lm
+    (a_input, a_text), (b_input, b_text) = _two_prompts(engine)
+    solo_a = list(lm.tokens(a_input, a_text, False, np.random.default_rng(21), pin=400))
+    solo_b = list(lm.tokens(b_input, b_text, True, np.random.default_rng(0), pin=60))
+    before = pipeline._decoder.stats()
+    stream_a = pipeline._decoder.stream(a_input, a_text, False, np.random.default_rng(21), pin=400)
+    got_a = [next(stream_a) for _ in range(5)]  # A is decoding now
+    group_b = pipeline._decoder.submit([b_input], [b_text], True, np.random.default_rng(0), pin=60, urgent_tokens=12)
+    assert group_b.results() == [solo_b]
+    got_a += list(stream_a)
+    assert got_a == solo_a and len(solo_a) == 400
+    after = pipeline._decoder.stats()
+    assert after["parked_steps"] - before["parked_steps"] == 11
+    # A rejoining, then B leaving: as many rebuilds as B joining and leaving without the wait (B's steps run on its
+    # prefill's own cache, and A's cache waits whole)
+    assert after["cache_rebuilds"] - before["cache_rebuilds"] == 2
+    assert set(rows_per_step_delta(before, after)) == {1, 2}
+    assert after["active_rows"] == 0 and after["waiting_groups"] == 0
+
+
+@pytest.mark.parametrize("preset", ["official", "fastest"])
+def test_a_stream_is_urgent_for_the_tokens_of_its_first_chunk(engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                                                              preset: str) -> None:
+    """A stream's row is urgent for exactly the tokens its first chunk is made from (the padded first hop and the
+    look-ahead; the preset without the pad: hops[0] and the look-ahead), no fewer, so the newcomer's row decodes
+    alone until its first chunk can be made."""
+    pipeline, seen, urgent = engine.pipeline, [0], []
+    stream = pipeline._decoder.stream
+
+    def spied(*args, **kwargs):
+        urgent.append(args[8] if len(args) > 8 else kwargs["urgent_tokens"])
+        for token in stream(*args, **kwargs):
+            seen[0] += 1
+            yield token
+
+    monkeypatch.setattr(pipeline._decoder, "stream", spied)
+    options = engine.options(voice=ZH_VOICE, seed=3, preset=preset)
+    chunks = pipeline.stream(engine.segments(LONG_ZH)[0], options)
+    next(chunks)
+    assert urgent == [seen[0]] and seen[0] > pipeline._schedule.hops[0]
+    chunks.close()
 
 
 def test_abandoned_stream_leaves_the_batch(engine: Engine) -> None:

@@ -168,9 +168,9 @@ class _Recorder:
         self.mels.append(mel.copy())
         return self.inner.source(mel, rng)
 
-    def decode(self, mel: np.ndarray, source: np.ndarray) -> np.ndarray:
+    def decode(self, mel: np.ndarray, source: np.ndarray, options=None) -> np.ndarray:
         self.sources.append(source.copy())
-        return self.inner.decode(mel, source)
+        return self.inner.decode(mel, source, options)
 
 
 def _counted(tokens: list[int], seen: list[int]) -> Iterator[int]:

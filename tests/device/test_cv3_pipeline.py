@@ -16,6 +16,7 @@ from cosyedge.device.errors import InputError
 from cosyedge.device.families import load_pipeline
 from cosyedge.device.options import Segment, SynthesisOptions
 from cosyedge.device.sessions import SessionConfig
+from schedulertools import stop_every_later_call_once
 
 CASES = [f"{mode}_{i}" for mode in ("zero_shot", "cross_lingual", "instruct2") for i in (1, 2, 3)]
 WAVE_ATOL = 2e-4
@@ -133,6 +134,18 @@ def test_streaming_scripted(pipeline, vectors: Path) -> None:
     request = SynthesisOptions(voice="zs_2s", mode="zero_shot", sampling="greedy", deterministic=True)
     chunks = list(pipeline.stream_tokens(st["scripted_tokens"].tolist(), request))
     assert [c.shape[0] for c in chunks] == [20160, 48000, 96000, 8640]
+    for i, chunk in enumerate(chunks):
+        assert _err("stream_scripted_chunk", chunk, st[f"scripted_chunk{i}_tts_speech"][0]) <= WAVE_ATOL
+
+
+def test_streaming_scripted_with_every_later_call_stopped_once(pipeline, vectors: Path, monkeypatch) -> None:
+    """The scripted run again, each later chunk's graph call (flow encoder, each Euler step, HiFT source and
+    decoder) stopped at its first try and run again, as the chunk gate does for a newcomer: the same golden chunks."""
+    st = np.load(vectors / "streaming.npz")
+    calls = stop_every_later_call_once(monkeypatch, pipeline)
+    request = SynthesisOptions(voice="zs_2s", mode="zero_shot", sampling="greedy", deterministic=True)
+    chunks = list(pipeline.stream_tokens(st["scripted_tokens"].tolist(), request))
+    assert len(calls) == (1 + pipeline._flow.config.n_timesteps + 2) * (len(chunks) - 1)
     for i, chunk in enumerate(chunks):
         assert _err("stream_scripted_chunk", chunk, st[f"scripted_chunk{i}_tts_speech"][0]) <= WAVE_ATOL
 
