@@ -30,6 +30,14 @@ class StepRunner(Protocol):
     def __call__(self, call: Callable[[ort.RunOptions | None], T]) -> T: ...
 
 
+def run_graph(session: Any, outputs: list[str] | None, feeds: dict[str, np.ndarray],
+              run_step: StepRunner | None = None) -> list[np.ndarray]:
+    """`session.run(outputs, feeds)`, through `run_step` where one is given (with the run options it hands over)."""
+    if run_step is None:
+        return session.run(outputs, feeds)
+    return run_step(lambda options: session.run(outputs, feeds, options))
+
+
 @dataclass(frozen=True)
 class FlowConfig:
     """Flow constants from `manifest.config`."""
@@ -189,8 +197,7 @@ class Flow:
         token = np.concatenate(parts).astype(np.int64)[None]
         feeds = {"token": token, "embedding": prompt.embedding.reshape(1, -1), "finalize": _flag(finalize),
                  "streaming": _flag(streaming)}
-        mu, spks = self._encoder.run(None, feeds) if run_step is None else \
-            run_step(lambda options: self._encoder.run(None, feeds, options))
+        mu, spks = run_graph(self._encoder, None, feeds, run_step)
         frames = mu.shape[2]
         if frames > self._noise.shape[2]:
             raise InputError(f"the utterance needs {frames} mel frames; the flow supports at most "
@@ -239,20 +246,16 @@ class Flow:
                   "streaming": _flag(streaming)}
         plain = {"mask": mask, "mu": mu, "spks": spks, "cond": cond, "streaming": guided["streaming"]}
 
-        def estimate(feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-            if run_step is None:
-                return self._estimator.run(outputs, feeds)
-            return run_step(lambda options: self._estimator.run(outputs, feeds, options))
-
         t, dt = t_span[0], t_span[1] - t_span[0]
         for step in range(1, preset.steps + 1):
             state = _past_feeds(past, step - 1, step <= preset.cfg_steps, self._int8_feed) | extra
             if step <= preset.cfg_steps:
-                v, *kept = estimate(guided | state | {"x": np.concatenate([x, x]),
-                                                      "t": np.full(2 * rows, t, np.float32)})
+                v, *kept = run_graph(self._estimator, outputs, guided | state | {
+                    "x": np.concatenate([x, x]), "t": np.full(2 * rows, t, np.float32)}, run_step)
                 x = x + dt * ((1 + rate) * v[:rows] - rate * v[rows:])
             else:
-                v, *kept = estimate(plain | state | {"x": x, "t": np.full(rows, t, np.float32)})
+                v, *kept = run_graph(self._estimator, outputs, plain | state | {
+                    "x": x, "t": np.full(rows, t, np.float32)}, run_step)
                 x = x + dt * v
             if keep:
                 keep[1].append((Int8Hidden.of(kept[0]) if self._quantized_state else kept[0].copy(), kept[1].copy()))

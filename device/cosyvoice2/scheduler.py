@@ -69,11 +69,11 @@ class _Row:
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     done: bool = False
     prefix: Prefix | None = None
-    urgent_tokens: int = 0  # the row is urgent until it has this many tokens (the module docstring)
 
     @property
     def urgent(self) -> bool:
-        return not self.done and len(self.history) < self.urgent_tokens
+        """Until it has its group's `urgent_tokens` (the module docstring)."""
+        return not self.done and len(self.history) < self.group.urgent_tokens
 
     def finish(self, error: BaseException | None = None) -> None:
         if not self.done:
@@ -94,7 +94,8 @@ class DecodeGroup:
         self.max_rows = max_rows  # rows of the batch this group may join (None: the scheduler's bound)
         self.stop = stop  # set by the request's owner (a client went away): the rows leave, the reader gets Cancelled
         self.cancelled = False
-        self.rows = [_Row(self, x, lo, hi, urgent_tokens=urgent_tokens) for x, (lo, hi) in zip(lm_inputs, limits)]
+        self.urgent_tokens = urgent_tokens  # its rows are urgent until they have this many tokens
+        self.rows = [_Row(self, x, lo, hi) for x, (lo, hi) in zip(lm_inputs, limits)]
         for row, prefix in zip(self.rows, prefixes or ()):
             row.prefix = prefix
 

@@ -173,8 +173,8 @@ class ChunkGate:
         self._awaiting_first = 0  # streams that have not emitted a chunk yet (`awaiting_first`)
         self._first_batch = first_batch
         self._firsts: list[FirstChunk] = []  # first chunks waiting for their flow call
-        self._steps: set[ort.RunOptions] = set()  # options of the later chunks' graph calls in flight
-        self.preempted = 0  # later steps stopped midway for a first chunk (tests, profiles)
+        self._calls: set[ort.RunOptions] = set()  # options of the later chunks' graph calls in flight
+        self.preempted = 0  # later calls stopped midway for a first chunk (tests, profiles)
 
     def _may_start(self, emitted: int) -> bool:
         """A free slot, or with `first_beside` for a first chunk while no other first chunk runs: a turn beside the
@@ -275,7 +275,7 @@ class ChunkGate:
 
     def _preempt(self) -> None:
         """Stop the later chunks' graph calls in flight, where the decoder yields always (caller holds the lock)."""
-        for options in self._steps:
+        for options in self._calls:
             options.terminate = True
 
     def later_step(self, call: Callable[[ort.RunOptions | None], T]) -> T:
@@ -293,7 +293,7 @@ class ChunkGate:
             with self._cond:
                 self._cond.wait_for(lambda: not self._first_pending())
                 options = ort.RunOptions()
-                self._steps.add(options)
+                self._calls.add(options)
             try:
                 return call(options)
             except Exception:
@@ -303,7 +303,7 @@ class ChunkGate:
                     self.preempted += 1   # stopped for a first chunk: the same inputs go again after it
             finally:
                 with self._cond:
-                    self._steps.discard(options)
+                    self._calls.discard(options)
 
     def before_decode_step(self) -> None:
         """Block while chunk work the decode loop yields to is in flow + HiFT: a first chunk's, or with

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import onnxruntime as ort
 
-from cosyedge.device.cosyvoice2.flow import StepRunner
+from cosyedge.device.cosyvoice2.flow import StepRunner, run_graph
 from cosyedge.device.cosyvoice2.vocoder import decode_in_windows
 from cosyedge.device.errors import BundleError, InputError
 
@@ -96,14 +96,10 @@ class Vocoder3:
         `start` * U on: the source runs on every frame (its phase accumulates from the first sample), the decoder
         from mel frame `start` (what it gives before `start` + history_frames is not the whole run's). `run_step`
         (a stream's later chunk) runs both calls (the noise is fixed: a call run again gives the same)."""
-        def call(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-            return session.run(None, feeds) if run_step is None else \
-                run_step(lambda options: session.run(None, feeds, options))
-
         u = self.samples_per_frame
         mel = np.ascontiguousarray(mel, np.float32)
         frames = mel.shape[2]
-        source, _f0 = call(self._source, {"mel": mel, "sine_noise": self._noise.rows(frames * u)})
+        source, _f0 = run_graph(self._source, None, {"mel": mel, "sine_noise": self._noise.rows(frames * u)}, run_step)
         if not finalize:
             frames -= self._f0_lookahead
         if frames - start <= 0:
@@ -111,7 +107,7 @@ class Vocoder3:
         if start or not finalize:
             mel = np.ascontiguousarray(mel[:, :, start:frames])
             source = np.ascontiguousarray(source[:, :, start * u:frames * u])
-        (speech,) = call(self._decoder, {"mel": mel, "source": source})
+        (speech,) = run_graph(self._decoder, None, {"mel": mel, "source": source}, run_step)
         if not finalize:
             return speech[0, :max(frames - start - self._conv_pre_lookahead - 1, 0) * u]
         return speech[0]

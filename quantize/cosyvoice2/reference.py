@@ -26,7 +26,7 @@ import torch
 from cosyedge.device.bench.clocks import StageClock
 from cosyedge.device.bench.worker import Backend, Settings, serve
 from cosyedge.device.cosyvoice2.flow import FlowConfig as RuntimeFlowConfig
-from cosyedge.device.cosyvoice2.flow import FlowPrompt
+from cosyedge.device.cosyvoice2.flow import FlowPrompt, StepRunner
 from cosyedge.device.cosyvoice2.frontend import TextFrontend
 from cosyedge.device.cosyvoice2.sampling import SamplingConfig, choose_token, without_stops
 from cosyedge.device.cosyvoice2.streaming import ScheduleConfig, stream_tokens
@@ -74,7 +74,7 @@ class _TorchFlow:
     clock: StageClock
 
     def mel(self, prompt: FlowPrompt, tokens: np.ndarray, finalize: bool, streaming: bool,
-            preset: object = None, start: int = 0, run_step: Callable[..., Any] | None = None) -> np.ndarray:
+            preset: object = None, start: int = 0, run_step: StepRunner | None = None) -> np.ndarray:
         """The official recipe only: no flow preset, no bounded re-solve. `run_step` (the gate's turn for a later
         chunk's estimator steps) runs the whole solve as one step: the official module's Euler loop has no hook
         between steps, and a torch call cannot be stopped midway (the run options it is handed go unread)."""
